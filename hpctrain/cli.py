@@ -1,0 +1,46 @@
+"""The ``hpctrain`` command. Each subcommand lives in its own module and is imported only
+when used, so ``hpctrain --help`` and ``hpctrain doctor`` stay fast on a login node.
+
+    hpctrain doctor [--json]                  check the stack (MPI, parallel h5py, Horovod, torch)
+    mpirun -n 4 hpctrain train CONFIG [k=v]   train data-parallel
+    hpctrain ckpt list|inspect|verify|export  work with checkpoints
+    hpctrain report RUN_DIR                   plots and a summary of a run
+"""
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+# subcommand -> (module, help). Each module has ``main(argv) -> int``.
+SUBCOMMANDS = {
+    "doctor": ("hpctrain.doctor", "check that this machine can run a parallel job, and say how to fix it"),
+    "train": ("hpctrain.trainer", "train a model data-parallel (launch under mpirun or srun)"),
+    "ckpt": ("hpctrain.checkpoint.cli", "list, inspect, verify and export checkpoints"),
+    "report": ("hpctrain.report", "write plots and a summary of a finished run"),
+}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="hpctrain", description="Data-parallel PyTorch training on HPC clusters.",
+        epilog="Run `hpctrain COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv or ["--help"])
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

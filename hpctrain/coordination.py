@@ -1,0 +1,135 @@
+"""Rank-0 coordination and failure handling, expressed once.
+
+* :func:`on_root` runs a step on rank 0 and hands every rank the same result, or the same
+  exception, so no rank is ever left waiting in a collective that another skipped.
+* :func:`all_or_none` lets every rank run a step and raises on all of them if any failed.
+* :func:`abort_on_exception` turns an unhandled exception on one rank into an abort of the
+  whole job, with the rank and host named, instead of a hang.
+"""
+import contextlib
+import logging
+import os
+import socket
+import sys
+import traceback
+
+from .errors import HpctrainError, RemoteError
+
+log = logging.getLogger("hpctrain")
+
+
+def _describe(rank, exc):
+    return f"rank {rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+
+
+def _collective(exc):
+    """Mark an exception as raised on every rank alike (no abort needed to end the job)."""
+    exc.collective = True
+    return exc
+
+
+def _pack(exc, rank):
+    """(exception, text) that survives pickling to the other ranks."""
+    text = _describe(rank, exc)
+    try:
+        import pickle
+
+        pickle.loads(pickle.dumps(exc))
+        return (exc, text)
+    except Exception:  # unpicklable exception: send its text
+        return (RemoteError(text), text)
+
+
+def _raise_everywhere(failed_rank, exc, text, comm):
+    if comm.Get_rank() == failed_rank or isinstance(exc, HpctrainError):
+        raise _collective(exc)
+    raise _collective(RemoteError(f"failed on {text}"))
+
+
+def on_root(step, comm, root=0):
+    """Run ``step()`` on ``root`` only; every rank returns its result or raises its error.
+
+    >>> name = on_root(lambda: choose_checkpoint_name(), comm)   # doctest: +SKIP
+    """
+    outcome = None
+    if comm.Get_rank() == root:
+        try:
+            outcome = (True, step())
+        except Exception as exc:  # handed to every rank below
+            outcome = (False, _pack(exc, root))
+            original = exc
+    outcome = comm.bcast(outcome, root=root)
+    ok, payload = outcome
+    if ok:
+        return payload
+    if comm.Get_rank() == root:
+        raise _collective(original)
+    _raise_everywhere(root, payload[0], payload[1], comm)
+
+
+def all_or_none(step, comm):
+    """Run ``step()`` on every rank; if it fails anywhere, raise on every rank.
+
+    Returns this rank's result. Used for validation before any collective, so that
+    bad input fails the same way everywhere.
+    """
+    try:
+        result, mine = step(), None
+    except Exception as exc:
+        result, mine = None, exc
+    outcome = comm.allgather(None if mine is None else _pack(mine, comm.Get_rank()))
+    if mine is not None:
+        raise _collective(mine)
+    for rank, packed in enumerate(outcome):
+        if packed is not None:
+            _raise_everywhere(rank, packed[0], packed[1], comm)
+    return result
+
+
+def any_rank(flag, comm):
+    """True on every rank when ``flag`` is true on at least one."""
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(1 if flag else 0, op=MPI.MAX))
+
+
+def abort_job(comm, code=1):
+    """End every rank of the job now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if comm is not None and comm.Get_size() > 1:
+        comm.Abort(code)
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def abort_on_exception(comm, where=None):
+    """Log an exception with rank and host, then abort the whole job (if it has >1 rank).
+
+    Known user errors (:class:`HpctrainError`) are printed without a traceback. When the
+    error is raised on every rank alike (as :func:`on_root`/:func:`all_or_none` arrange),
+    the ranks exit normally with the error's code instead of aborting.
+    """
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: B902 - we end the job on anything
+        rank = comm.Get_rank() if comm is not None else 0
+        size = comm.Get_size() if comm is not None else 1
+        host = where or socket.gethostname()
+        collective = getattr(exc, "collective", False) or size == 1
+        code = getattr(exc, "exit_code", 1)
+        if isinstance(exc, HpctrainError):
+            if not collective:
+                print(f"hpctrain: error on rank {rank} ({host}): {exc}", file=sys.stderr, flush=True)
+            elif rank == 0:  # the same error on every rank: say it once
+                print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+        elif not isinstance(exc, RemoteError):
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            ending = "" if collective else f"; aborting all {size} ranks"
+            print(f"hpctrain: unhandled exception on rank {rank} ({host}){ending}\n{text}",
+                  file=sys.stderr, flush=True)
+        if not collective:
+            abort_job(comm, 1)
+        raise SystemExit(code)

@@ -1,0 +1,166 @@
+"""Who am I in the job: rank, size, local rank, node, launcher. Detected in one place.
+
+The launcher's environment (``mpirun``/``srun``) says what the job *should* be; MPI says
+what it *is*. :func:`init_world` compares both and stops with a fix when they disagree,
+for example ``srun`` without ``--mpi=pmix``, where every task believes it is rank 0 of 1.
+
+Example::
+
+    from hpctrain.world import init_world
+    world = init_world()          # MPI_COMM_WORLD by default
+    print(world.rank, world.size, world.node, world.device)
+"""
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import LaunchError
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher's environment variables say, before MPI is asked."""
+
+    launcher: str  # "mpirun", "srun" or "none"
+    rank: Optional[int] = None
+    size: Optional[int] = None
+    local_rank: Optional[int] = None
+    slurm_job_id: Optional[str] = None
+    slurm_ntasks: Optional[int] = None
+    slurm_nodelist: Optional[str] = None
+    slurm_node: Optional[str] = None
+
+
+def _int(env, *names):
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value.split("(")[0])
+            except ValueError:
+                pass
+    return None
+
+
+def launch_info(environ=None):
+    """Read the launcher from the environment (pure: no MPI, no imports)."""
+    env = os.environ if environ is None else environ
+    slurm = dict(
+        slurm_job_id=env.get("SLURM_JOB_ID"),
+        slurm_ntasks=_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        slurm_nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST"),
+        slurm_node=env.get("SLURMD_NODENAME"),
+    )
+    # mpirun (Open MPI) sets OMPI_COMM_WORLD_*; MPICH's hydra sets PMI_*. Inside a Slurm
+    # allocation mpirun's ranks also inherit SLURM_* of the batch step: mpirun wins.
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return LaunchInfo("mpirun", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), **slurm)
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        return LaunchInfo("srun", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+                          _int(env, "SLURM_LOCALID"), **slurm)
+    if "PMI_SIZE" in env or "PMIX_RANK" in env:
+        return LaunchInfo("mpirun", _int(env, "PMI_RANK", "PMIX_RANK"), _int(env, "PMI_SIZE"),
+                          _int(env, "MPI_LOCALRANKID"), **slurm)
+    return LaunchInfo("none", **slurm)
+
+
+def launch_problems(info, mpi_rank, mpi_size):
+    """Why the MPI world disagrees with the launcher, as messages with a HINT (pure)."""
+    problems = []
+    if info.launcher == "srun" and info.size and info.size > 1 and mpi_size == 1:
+        problems.append(
+            f"srun started {info.size} tasks but MPI sees a world of size 1 in each: every task "
+            f"believes it is rank 0 of 1 and would train alone.\n"
+            f"HINT: launch with `srun --mpi=pmix ...` (see `srun --mpi=list`), or use mpirun inside the allocation")
+    elif info.size is not None and info.size != mpi_size:
+        problems.append(
+            f"{info.launcher} says the job has {info.size} ranks but MPI_COMM_WORLD has {mpi_size}.\n"
+            f"HINT: the MPI library that mpi4py was built against must be the one that launched the job "
+            f"(check `which mpirun` and `hpctrain doctor`)")
+    elif info.rank is not None and info.size == mpi_size and info.rank != mpi_rank:
+        problems.append(
+            f"{info.launcher} says this is rank {info.rank} but MPI says rank {mpi_rank}.\n"
+            f"HINT: use the mpirun of the MPI that mpi4py was built against")
+    if info.launcher == "none" and info.slurm_ntasks and info.slurm_ntasks > 1 and mpi_size == 1:
+        problems.append(
+            f"running inside Slurm job {info.slurm_job_id} that asked for {info.slurm_ntasks} tasks, "
+            f"but as a single process without srun or mpirun.\n"
+            f"HINT: start the script with `srun --mpi=pmix python ...` or `mpirun -n {info.slurm_ntasks} ...`")
+    return problems
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job. ``comm`` is the mpi4py communicator."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: str
+    launcher: str
+    comm: Any = field(default=None, repr=False, compare=False)
+    device: str = "cpu"
+
+    @property
+    def is_root(self):
+        return self.rank == 0
+
+    def where(self):
+        """``rank 3 on node07``: used in every message that names a rank."""
+        return f"rank {self.rank} on {self.node}"
+
+
+def node_name(environ=None):
+    env = os.environ if environ is None else environ
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def cpu_threads_per_rank(local_size, environ=None):
+    """Torch threads per rank so that the ranks on one node do not oversubscribe it."""
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS"):
+        return max(1, int(env["OMP_NUM_THREADS"]))
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    if usable < cores:  # the launcher bound this rank to a subset: use exactly that
+        return max(1, usable)
+    return max(1, cores // max(1, local_size))
+
+
+def init_world(comm=None, pin=True, check=True):
+    """Initialise MPI (through mpi4py), check the launch, pin this rank to its device.
+
+    Raises :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree.
+    """
+    info = launch_info()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if check:
+        problems = launch_problems(info, rank, size) if comm == MPI.COMM_WORLD else []
+        if problems:
+            raise LaunchError("\n".join(problems))
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    device = pin_device(local_rank, local_size) if pin else "cpu"
+    return World(rank, size, local_rank, local_size, node_name(), info.launcher, comm, device)
+
+
+def pin_device(local_rank, local_size):
+    """``cuda:<local_rank>`` when there are GPUs; else set torch threads for this rank."""
+    import torch
+
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    torch.set_num_threads(cpu_threads_per_rank(local_size))
+    return "cpu"

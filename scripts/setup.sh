@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# One idempotent setup of the hpctrain stack into ./.venv.
+#
+#   make setup            (or: bash scripts/setup.sh)
+#
+# Order of preference for MPI and parallel HDF5:
+#   1. what the cluster's modules put on PATH (mpicc; h5pcc, HDF5_DIR or pkg-config),
+#   2. as root on Debian/Ubuntu: Open MPI and parallel HDF5 from the distribution,
+#   3. otherwise stop and say what to `module load`.
+# Compiled Python packages (mpi4py, h5py, Horovod) are built once into wheels and cached
+# under $HPCTRAIN_CACHE (default ~/.cache/hpctrain/wheels), keyed by what they were built
+# against, so a second setup rebuilds nothing.
+#
+# Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
+# TORCH_SPEC (pip requirement for torch, default torch==2.13.0), HPCTRAIN_CACHE,
+# HPCTRAIN_BUILD_JOBS (parallel compile jobs, default: number of cores).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+HOROVOD_VERSION=0.28.1
+CACHE=${HPCTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain}/wheels
+JOBS=${HPCTRAIN_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- system stack
+have_parallel_hdf5() {
+  [ -n "${HDF5_DIR:-}" ] && [ -f "$HDF5_DIR/include/H5pubconf.h" ] && grep -q 'define H5_HAVE_PARALLEL 1' "$HDF5_DIR/include/H5pubconf.h" && return 0
+  command -v h5pcc >/dev/null 2>&1 && return 0
+  command -v pkg-config >/dev/null 2>&1 && pkg-config --exists hdf5-openmpi 2>/dev/null && return 0
+  return 1
+}
+
+missing=()
+command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin libopenmpi-dev)
+have_parallel_hdf5 || missing+=(libhdf5-openmpi-dev hdf5-tools)
+command -v h5dump >/dev/null 2>&1 || missing+=(hdf5-tools)
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing from the distribution: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    die "missing: ${missing[*]}.
+  On a cluster: module load openmpi hdf5/parallel cmake   (names vary: see 'module avail mpi hdf5')
+  On Debian/Ubuntu as root: apt-get install ${missing[*]}"
+  fi
+fi
+have_parallel_hdf5 || die "no parallel HDF5 found (h5pcc, HDF5_DIR or pkg-config hdf5-openmpi). HINT: module load a parallel hdf5 build, or set HDF5_DIR to it"
+
+# How h5py finds HDF5: an explicit HDF5_DIR wins, then Debian's pkg-config name, then h5pcc's prefix.
+if [ -z "${HDF5_DIR:-}" ]; then
+  if pkg-config --exists hdf5-openmpi 2>/dev/null; then
+    export HDF5_PKGCONFIG_NAME=hdf5-openmpi
+  elif command -v h5pcc >/dev/null 2>&1; then
+    export HDF5_DIR=$(dirname "$(dirname "$(command -v h5pcc)")")
+  fi
+fi
+if [ -n "${HDF5_PKGCONFIG_NAME:-}" ]; then
+  HDF5_VERSION=$(pkg-config --modversion "$HDF5_PKGCONFIG_NAME")
+else
+  HDF5_VERSION=$(grep -o 'define H5_VERSION "[^"]*"' "$HDF5_DIR/include/H5pubconf.h" | cut -d'"' -f2 || echo unknown)
+fi
+MPI_ID=$(mpirun --version 2>&1 | head -n1 | tr -cs 'A-Za-z0-9.' '-')
+CUDA=cpu
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=cuda; fi
+say "MPI: $(command -v mpicc) ($MPI_ID); HDF5 $HDF5_VERSION; $CUDA"
+
+# ---------------------------------------------------------------- venv
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip wheel
+fi
+PY="$ROOT/$VENV/bin/python"
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+PYVER=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+
+pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
+
+pyok 'import torch' || { say "installing $TORCH_SPEC"; "${PIP[@]}" "$TORCH_SPEC"; }
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
+pyok 'import numpy, pytest, tqdm, matplotlib, cython, pkgconfig, setuptools' || {
+  say "installing numpy, pytest, tqdm, matplotlib and build tools"
+  "${PIP[@]}" numpy pytest tqdm matplotlib cython pkgconfig setuptools packaging psutil
+}
+
+# Build (or reuse) a wheel of a compiled package. $1 name, $2 cache key, $3.. build command
+# run in a scratch dir that must leave exactly one wheel in $OUTDIR.
+cached_wheel() {
+  local name=$1 key=$2; shift 2
+  local dir="$CACHE/$name-$key"
+  if ! ls "$dir"/*.whl >/dev/null 2>&1; then
+    say "building $name once (cached in $dir)"
+    local tmp; tmp=$(mktemp -d)
+    mkdir -p "$dir"
+    ( cd "$tmp" && OUTDIR="$tmp/out" "$@" ) || { rm -rf "$tmp"; die "building $name failed (see above)"; }
+    cp "$tmp"/out/*.whl "$dir"/
+    rm -rf "$tmp"
+  fi
+  ls "$dir"/*.whl | head -n1
+}
+
+build_mpi4py() { CC=mpicc "$PY" -m pip wheel -q --no-deps --no-binary=mpi4py mpi4py -w "$OUTDIR"; }
+if ! pyok 'from mpi4py import MPI'; then
+  whl=$(cached_wheel mpi4py "$PYVER-$MPI_ID" build_mpi4py)
+  "${PIP[@]}" --no-deps "$whl"
+fi
+
+build_h5py() {
+  CC=mpicc HDF5_MPI=ON "$PY" -m pip wheel -q --no-deps --no-binary=h5py --no-build-isolation h5py -w "$OUTDIR"
+}
+if ! pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)'; then
+  "$PY" -m pip uninstall -q -y h5py >/dev/null 2>&1 || true
+  whl=$(cached_wheel h5py "$PYVER-hdf5-$HDF5_VERSION-$MPI_ID" build_h5py)
+  "${PIP[@]}" --no-deps "$whl"
+  pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \
+    || die "h5py was installed but has no MPI support; check that HDF5 ($HDF5_VERSION) is a parallel build"
+fi
+
+# Horovod 0.28.1 asks for C++14, PyTorch >= 2.1 headers need C++17: patch the sdist.
+build_horovod() {
+  "$PY" -m pip download -q --no-deps --no-binary=:all: "horovod==$HOROVOD_VERSION" -d .
+  tar xzf horovod-*.tar.gz
+  cd horovod-$HOROVOD_VERSION
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' CMakeLists.txt horovod/torch/CMakeLists.txt
+  local gpu=()
+  [ "$CUDA" = cuda ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+  env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+      HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$JOBS" "${gpu[@]}" \
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$OUTDIR"
+}
+if ! pyok 'import horovod.torch'; then
+  whl=$(cached_wheel horovod "$HOROVOD_VERSION-$PYVER-torch$TORCH_VERSION-$MPI_ID-$CUDA" build_horovod)
+  "${PIP[@]}" --no-deps "$whl"
+  "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
+fi
+
+# ---------------------------------------------------------------- hpctrain itself
+pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
+  && [ -x "$VENV/bin/hpctrain" ] \
+  || { say "installing hpctrain (editable)"; "${PIP[@]}" --no-deps --no-build-isolation -e .; }
+
+say "done: $VENV ready (torch $TORCH_VERSION). Check it with: $VENV/bin/hpctrain doctor"
