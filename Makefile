@@ -1,0 +1,37 @@
+# hpctrain: the two commands of the README, and what they stand on.
+#
+#   make demo    train the digits example on 2 ranks; prints the run directory
+#   make test    run the whole test suite (unit, real mpirun, real Slurm, end-to-end)
+#   make setup   build the stack into .venv (idempotent; both targets above call it)
+#   make bench   benchmarks (communication, training step, checkpoint I/O)
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NP ?= 2
+# Open MPI refuses root and more ranks than cores unless told; these are for this
+# project's own runs (tests, demo), never set by the library.
+MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench doctor clean
+
+setup:
+	@bash scripts/setup.sh
+
+doctor: setup
+	@$(VENV)/bin/hpctrain doctor
+
+demo: setup
+	@bash scripts/demo.sh
+
+test: setup
+	@bash scripts/test.sh $(PYTEST_ARGS)
+
+test-fast: setup
+	@$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+
+bench: setup
+	@bash scripts/bench.sh
+
+clean:
+	rm -rf runs bench-results .pytest_cache

@@ -1,0 +1,254 @@
+"""``hpctrain doctor``: can this machine run a parallel hpctrain job? If not, how to fix it.
+
+    hpctrain doctor                 # one process (login node)
+    mpirun -n 2 hpctrain doctor     # each rank reports; rank 0 prints them all
+    hpctrain doctor --json          # machine-readable
+
+Exit status 0 only when the stack can run a parallel job. Each missing piece is one line
+that names the fix. Versions are read from package metadata where possible; torch and
+Horovod are imported only to check that their compiled parts really load.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+from . import __version__, settings
+from .world import launch_info, launch_problems, node_name
+
+SETUP_HINT = "run `make setup` in the hpctrain checkout"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    fix: str = ""
+    required: bool = True
+
+    def line(self):
+        mark = "ok  " if self.ok else ("FAIL" if self.required else "warn")
+        text = f"[{mark}] {self.name:<10} {self.detail}"
+        if not self.ok and self.fix:
+            text += f"\n       fix: {self.fix}"
+        return text
+
+
+def _version(dist):
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_python():
+    ok = sys.version_info >= (3, 9)
+    return Check("python", ok, f"{platform.python_version()} ({sys.executable})",
+                 "use Python >= 3.9 (module load python/3.11)")
+
+
+def check_numpy():
+    v = _version("numpy")
+    return Check("numpy", v is not None, v or "not installed", SETUP_HINT)
+
+
+def check_torch():
+    v = _version("torch")
+    if v is None:
+        return Check("torch", False, "not installed", f"{SETUP_HINT} (installs torch==2.13.0), or pip install torch"), {}
+    try:
+        import torch
+    except Exception as exc:  # a broken install must not crash the doctor
+        return Check("torch", False, f"{v}, import failed: {exc}", "reinstall torch in this environment"), {}
+    cuda = {"available": torch.cuda.is_available(), "devices": [], "cuda_version": torch.version.cuda}
+    if cuda["available"]:
+        cuda["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    where = f"CUDA {torch.version.cuda}, {len(cuda['devices'])} GPU(s)" if cuda["available"] else "CPU"
+    return Check("torch", True, f"{torch.__version__} ({where}, {torch.get_num_threads()} threads)"), cuda
+
+
+def check_mpi():
+    """mpi4py and the MPI library under it. Returns (check, comm or None, library text)."""
+    v = _version("mpi4py")
+    if v is None:
+        return Check("mpi4py", False, "not installed",
+                     f"{SETUP_HINT}; on a cluster: module load openmpi, then pip install --no-binary=mpi4py mpi4py"), None, ""
+    try:
+        from mpi4py import MPI
+    except Exception as exc:
+        return Check("mpi4py", False, f"{v}, MPI failed to load: {exc}",
+                     "load the MPI module mpi4py was built against (module load openmpi), or rebuild: "
+                     "pip install --force-reinstall --no-binary=mpi4py mpi4py"), None, ""
+    lib = MPI.Get_library_version().strip().splitlines()[0]
+    return Check("mpi4py", True, f"{v}, {lib}"), MPI.COMM_WORLD, lib
+
+
+def check_mpirun():
+    path = shutil.which("mpirun") or shutil.which("mpiexec")
+    return Check("mpirun", path is not None, path or "not on PATH",
+                 "module load openmpi (or: apt-get install openmpi-bin)")
+
+
+def check_h5py():
+    v = _version("h5py")
+    if v is None:
+        return Check("h5py", False, "not installed", f"{SETUP_HINT} (builds h5py against parallel HDF5)")
+    try:
+        import h5py
+    except Exception as exc:
+        return Check("h5py", False, f"{v}, import failed: {exc}", "load the HDF5 module h5py was built against")
+    parallel = bool(h5py.get_config().mpi)
+    detail = f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, {'parallel (mpio)' if parallel else 'SERIAL'}"
+    return Check("h5py", parallel, detail,
+                 "h5py was built without MPI: rebuild it against parallel HDF5 with "
+                 "`CC=mpicc HDF5_MPI=ON pip install --no-binary=h5py --no-build-isolation h5py` "
+                 f"(module load hdf5/parallel first), or {SETUP_HINT}")
+
+
+def check_horovod(required, cuda):
+    """Horovod's version and build. Missing Horovod is fatal only for the horovod backend."""
+    v = _version("horovod")
+    alt = "or choose the plain MPI backend: HPCTRAIN_BACKEND=mpi (config: comm.backend = \"mpi\")"
+    if v is None:
+        return Check("horovod", False, "not installed",
+                     f"{SETUP_HINT} (builds Horovod 0.28.1 with PyTorch and MPI), {alt}", required), {}
+    try:
+        import horovod.torch as hvd
+    except Exception as exc:
+        return Check("horovod", False, f"{v}, PyTorch extension failed to load: {exc}",
+                     f"rebuild Horovod against this torch: {SETUP_HINT}, {alt}", required), {}
+    build = {
+        "frameworks": ["PyTorch"],
+        "controllers": [n for n, f in (("MPI", hvd.mpi_built), ("Gloo", hvd.gloo_built)) if f()],
+        "tensor_operations": [n for n, f in (("NCCL", hvd.nccl_built), ("DDL", hvd.ddl_built),
+                                             ("CCL", hvd.ccl_built), ("MPI", hvd.mpi_built),
+                                             ("Gloo", hvd.gloo_built)) if f()],
+        "cuda": bool(hvd.cuda_built()),
+        "nccl": bool(hvd.nccl_built()),
+    }
+    detail = (f"{v}, frameworks: PyTorch; controllers: {', '.join(build['controllers']) or 'none'}; "
+              f"tensor ops: {', '.join(build['tensor_operations']) or 'none'}")
+    if "MPI" not in build["controllers"]:
+        return Check("horovod", False, detail, f"Horovod was built without MPI: {SETUP_HINT}", required), build
+    if cuda.get("available") and not build["nccl"]:
+        return Check("horovod", False, detail + " (no NCCL, but GPUs are present)",
+                     "rebuild with HOROVOD_GPU_OPERATIONS=NCCL: rm -rf ~/.cache/hpctrain/wheels/horovod-* && make setup",
+                     required=False), build
+    return Check("horovod", True, detail), build
+
+
+def check_launch(comm):
+    info = launch_info()
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    problems = launch_problems(info, rank, size)
+    detail = f"{info.launcher}, rank {rank} of {size}"
+    if info.slurm_job_id:
+        detail += f", Slurm job {info.slurm_job_id}"
+    if problems:
+        text, _, hint = problems[0].partition("\nHINT: ")
+        return Check("launcher", False, f"{detail}: {text}", hint), info, rank, size
+    return Check("launcher", True, detail), info, rank, size
+
+
+def diagnose():
+    """Run every check in this process; returns a dict (JSON-ready) and the checks."""
+    checks = [check_python(), check_numpy()]
+    torch_check, cuda = check_torch()
+    checks.append(torch_check)
+    mpi_check, comm, mpi_lib = check_mpi()
+    checks += [mpi_check, check_mpirun(), check_h5py()]
+    horovod_required = (settings.get("BACKEND") or "horovod") == "horovod"
+    hvd_check, hvd_build = check_horovod(horovod_required, cuda)
+    checks.append(hvd_check)
+    launch_check, info, rank, size = check_launch(comm)
+    checks.append(launch_check)
+    report = {
+        "hpctrain": __version__,
+        "host": node_name(),
+        "rank": rank,
+        "size": size,
+        "launcher": info.launcher,
+        "slurm_job_id": info.slurm_job_id,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "numpy": _version("numpy"),
+            "mpi4py": _version("mpi4py"),
+            "mpi_library": mpi_lib,
+            "h5py": _version("h5py"),
+            "hdf5": _hdf5_version(),
+            "horovod": _version("horovod"),
+        },
+        "h5py_parallel": _h5py_parallel(),
+        "horovod_build": hvd_build,
+        "cuda": cuda,
+        "checks": [asdict(c) for c in checks],
+        "ok": all(c.ok or not c.required for c in checks),
+    }
+    return report, checks, comm
+
+
+def _hdf5_version():
+    try:
+        import h5py
+
+        return h5py.version.hdf5_version
+    except Exception:
+        return None
+
+
+def _h5py_parallel():
+    try:
+        import h5py
+
+        return bool(h5py.get_config().mpi)
+    except Exception:
+        return False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="hpctrain doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document (all ranks) on rank 0")
+    args = parser.parse_args(argv)
+
+    report, checks, comm = diagnose()
+    parallel = comm is not None and comm.Get_size() > 1
+    reports = comm.gather(report, root=0) if parallel else [report]
+    ok = all(r["ok"] for r in reports) if report["rank"] == 0 else None
+    if parallel:
+        ok = comm.bcast(ok, root=0)
+    if report["rank"] == 0:
+        print(json.dumps(_json_doc(report, reports, ok), indent=2) if args.json
+              else _text(report, checks, reports, ok))
+    return 0 if ok else 1
+
+
+def _failed(r):
+    return [c for c in r["checks"] if not c["ok"] and c["required"]]
+
+
+def _json_doc(report, reports, ok):
+    ranks = [{"rank": r["rank"], "host": r["host"], "launcher": r["launcher"], "ok": r["ok"],
+              "failed": [c["name"] for c in _failed(r)]} for r in reports]
+    return dict(report, ok=ok, ranks=ranks)
+
+
+def _text(report, checks, reports, ok):
+    lines = [f"hpctrain {__version__} doctor on {report['host']}"]
+    lines += [c.line() for c in checks]
+    if len(reports) > 1:
+        lines.append(f"ranks ({len(reports)}):")
+        for r in reports:
+            bad = _failed(r)
+            lines.append(f"  rank {r['rank']:>3} on {r['host']}: {r['launcher']}, "
+                         + ("ok" if not bad else "FAIL: " + ", ".join(c["name"] for c in bad)))
+            if r["rank"] != 0:  # rank 0's own fixes are listed above
+                lines += [f"       fix ({c['name']}): {c['fix']}" for c in bad]
+    lines.append("ready for a parallel job" if ok else "NOT ready: fix the lines marked FAIL above")
+    return "\n".join(lines)
