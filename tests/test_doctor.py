@@ -1,0 +1,125 @@
+"""`hpctrain doctor` against the real stack, and its failure paths in real environments
+that lack a piece (a site-packages view without Horovod, a serial h5py from PyPI)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_harness import ROOT, mpi_env, mpirun
+
+PY = sys.executable
+
+
+def run_doctor(*args, env=None, python_args=(), timeout=120):
+    return subprocess.run([PY, *python_args, "-m", "hpctrain", "doctor", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env or mpi_env(), cwd=ROOT)
+
+
+def test_help_does_not_import_heavy_modules():
+    code = ("import sys, hpctrain.cli as c; c.build_parser().format_help();"
+            "heavy = [m for m in ('torch', 'horovod', 'h5py', 'mpi4py') if m in sys.modules];"
+            "assert not heavy, heavy")
+    subprocess.run([PY, "-c", code], check=True, timeout=60, cwd=ROOT)
+    out = subprocess.run([PY, "-m", "hpctrain", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "doctor" in out.stdout and "train" in out.stdout
+
+
+def test_doctor_json_reports_the_parallel_stack():
+    proc = run_doctor("--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is True and doc["h5py_parallel"] is True
+    assert "MPI" in doc["horovod_build"]["controllers"]
+    assert doc["launcher"] == "none" and doc["size"] == 1
+    for key in ("python", "torch", "numpy", "mpi4py", "mpi_library", "h5py", "hdf5", "horovod"):
+        assert doc["versions"][key], key
+    assert "Open MPI" in doc["versions"]["mpi_library"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_doctor_under_mpirun_gathers_every_rank(n):
+    result = mpirun(n, ["-m", "hpctrain", "doctor"], timeout=120).check()
+    assert f"ranks ({n}):" in result.stdout
+    for rank in range(n):
+        assert f"rank {rank:>3} on" in result.stdout
+    assert "mpirun, rank 0 of %d" % n in result.stdout
+    assert result.stdout.count("hpctrain 0") == 1  # only rank 0 prints the report
+
+
+@pytest.mark.mpi
+def test_doctor_json_under_mpirun():
+    result = mpirun(2, ["-m", "hpctrain", "doctor", "--json"], timeout=120).check()
+    doc = json.loads(result.stdout)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["launcher"] == "mpirun"
+
+
+def test_srun_without_pmix_gets_the_fix():
+    # What each task of `srun -n 2 python ...` sees without --mpi=pmix: Slurm says 2
+    # tasks, MPI a world of 1. (The same under a real srun is in the Slurm tests.)
+    env = mpi_env({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                   "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
+    proc = run_doctor(env=env)
+    assert proc.returncode == 1
+    assert "[FAIL] launcher" in proc.stdout and "srun --mpi=pmix" in proc.stdout
+
+
+def _site_view(tmp_path, exclude):
+    """A site-packages made of links to this venv's, minus the packages in ``exclude``."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    view = tmp_path / "site"
+    view.mkdir()
+    for entry in site.iterdir():
+        base = entry.name.split("-")[0].lower()
+        if base in exclude or entry.suffix == ".pth":
+            continue
+        (view / entry.name).symlink_to(entry)
+    return view
+
+
+def _isolated_env(paths):
+    env = mpi_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [str(p) for p in paths])
+    return env
+
+
+def test_missing_horovod_names_the_fix(tmp_path):
+    view = _site_view(tmp_path, {"horovod"})
+    proc = run_doctor(env=_isolated_env([view]), python_args=("-S",))
+    assert proc.returncode == 1, proc.stdout
+    assert "[FAIL] horovod    not installed" in proc.stdout
+    assert "make setup" in proc.stdout and "HPCTRAIN_BACKEND=mpi" in proc.stdout
+
+
+def test_missing_horovod_is_fine_for_the_mpi_backend(tmp_path):
+    view = _site_view(tmp_path, {"horovod"})
+    env = _isolated_env([view])
+    env["HPCTRAIN_BACKEND"] = "mpi"
+    proc = run_doctor(env=env, python_args=("-S",))
+    assert proc.returncode == 0, proc.stdout
+    assert "[warn] horovod" in proc.stdout
+
+
+@pytest.fixture(scope="session")
+def serial_h5py(tmp_path_factory):
+    """The PyPI wheel of h5py: a real h5py built without MPI."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hpctrain" / "test-serial-h5py"
+    if not any(cache.glob("h5py/__init__.py")):
+        proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
+                               "--target", str(cache), "h5py"], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            pytest.skip(f"could not fetch the serial h5py wheel from PyPI: {proc.stderr[-500:]}")
+    return cache
+
+
+def test_serial_h5py_names_the_fix(tmp_path, serial_h5py):
+    view = _site_view(tmp_path, {"h5py"})
+    proc = run_doctor(env=_isolated_env([view, serial_h5py]), python_args=("-S",))
+    assert proc.returncode == 1, proc.stdout
+    assert "SERIAL" in proc.stdout and "[FAIL] h5py" in proc.stdout
+    assert "HDF5_MPI=ON" in proc.stdout
