@@ -99,10 +99,10 @@ cached_wheel() {
   local name=$1 key=$2; shift 2
   local dir="$CACHE/$name-$key"
   if ! ls "$dir"/*.whl >/dev/null 2>&1; then
-    say "building $name once (cached in $dir)"
+    say "building $name once (cached in $dir)" >&2  # stdout is the wheel's path only
     local tmp; tmp=$(mktemp -d)
     mkdir -p "$dir"
-    ( cd "$tmp" && OUTDIR="$tmp/out" "$@" ) || { rm -rf "$tmp"; die "building $name failed (see above)"; }
+    ( cd "$tmp" && OUTDIR="$tmp/out" "$@" ) >&2 || { rm -rf "$tmp"; die "building $name failed (see above)"; }
     cp "$tmp"/out/*.whl "$dir"/
     rm -rf "$tmp"
   fi
