@@ -1,0 +1,115 @@
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain lines in a batch job.
+
+``progress`` is ``"auto"`` (a bar when stderr is a terminal, else lines), ``"bar"``,
+``"log"`` or ``"off"``. Only rank 0 builds a :class:`Progress`; the other ranks stay quiet.
+Warnings (slow ranks, diverged parameters) go through :meth:`Progress.message`, so they do
+not tear the bar apart.
+
+A log line in a batch job looks like::
+
+    step 200/1000 epoch 1 loss 0.4312 lr 1.00e-03 5120.3 samples/s 0.050 s/step ETA 0:00:40
+"""
+import datetime
+import sys
+import time
+
+MODES = ("auto", "bar", "log", "off")
+
+
+def resolve_mode(mode, stream=None):
+    """``auto`` becomes ``bar`` on a terminal and ``log`` otherwise (a Slurm output file)."""
+    stream = sys.stderr if stream is None else stream
+    if mode != "auto":
+        return mode
+    try:
+        return "bar" if stream.isatty() else "log"
+    except (AttributeError, ValueError):  # closed or not a real file
+        return "log"
+
+
+def format_eta(seconds):
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, eta=None):
+    """The plain progress line (pure, for batch logs)."""
+    parts = [f"step {step}" + (f"/{total}" if total else ""), f"epoch {epoch}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if lr is not None:
+        parts.append(f"lr {lr:.2e}")
+    if samples_per_s is not None:
+        parts.append(f"{samples_per_s:.1f} samples/s")
+    if step_time is not None:
+        parts.append(f"{step_time:.3f} s/step")
+    if total:
+        parts.append(f"ETA {format_eta(eta)}")
+    return " ".join(parts)
+
+
+class Progress:
+    """Rank 0's view of the run. ``step()`` is called every step, ``interval()`` every
+    ``log_every`` steps with the interval's averages."""
+
+    def __init__(self, mode="auto", total_steps=None, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.mode = resolve_mode(mode, self.stream)
+        self.total = total_steps or None
+        self.bar = None
+        self._postfix_time = 0.0
+
+    def _open_bar(self, step):
+        from tqdm import tqdm
+
+        # initial: a resumed run starts its bar where it left off
+        self.bar = tqdm(total=self.total, initial=max(0, step - 1), file=self.stream, unit="step",
+                        dynamic_ncols=True, smoothing=0.1)
+
+    def step(self, step, epoch, loss=None):
+        """Every step: advance the bar (the bar throttles its own redraws)."""
+        if self.mode != "bar":
+            return
+        if self.bar is None:
+            self._open_bar(step)
+        self.bar.update(step - self.bar.n)
+        now = time.monotonic()
+        # postfix at most once a second: reading a GPU loss waits for the GPU
+        if now - self._postfix_time >= 1.0:
+            self._postfix_time = now
+            postfix = {"epoch": epoch}
+            if loss is not None:
+                postfix["loss"] = f"{float(loss):.4f}"
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def interval(self, step, epoch, loss=None, lr=None, samples_per_s=None, step_time=None):
+        """Every ``log_every`` steps: a line in batch mode, throughput in the bar's postfix."""
+        eta = None
+        if self.total and step_time:
+            eta = (self.total - step) * step_time
+        if self.mode == "log":
+            self._write(format_line(step, self.total, epoch, loss, lr, samples_per_s, step_time, eta))
+        elif self.mode == "bar" and self.bar is not None:
+            postfix = {"epoch": epoch}
+            if loss is not None:
+                postfix["loss"] = f"{loss:.4f}"
+            if samples_per_s is not None:
+                postfix["samples/s"] = f"{samples_per_s:.1f}"
+            self.bar.set_postfix(postfix)
+
+    def message(self, text):
+        """A line that must be seen whatever the mode (warnings), even with ``off``."""
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self._write(text)
+
+    def _write(self, text):
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
