@@ -1,0 +1,146 @@
+"""Preemption: a signal from Slurm becomes a flag; the trainer turns the flag into a
+checkpoint and exit status :data:`EXIT_PREEMPTED`; the job script then requeues the job.
+
+Slurm warns a job before its time limit or a preemption with a signal chosen in the job
+script (``#SBATCH --signal=B:USR1@120``, or ``scancel --signal=USR1``), and sends SIGTERM
+when it ends the job. Here both only set a flag: the handler does no I/O and touches no
+MPI, since it may run while this rank is inside a collective. Only some ranks may get the
+signal, so the trainer agrees at the next step boundary::
+
+    from hpctrain import preemption
+    from hpctrain.coordination import any_rank
+
+    preemption.install()                       # once, on every rank
+    for batch in loader:
+        ...
+        if any_rank(preemption.stop_requested(), comm):
+            save_checkpoint(requested=True)
+            sys.exit(preemption.EXIT_PREEMPTED)
+
+The job script (``slurm/preemptible.sbatch``) sees exit status 3 and runs
+``python -m hpctrain.preemption requeue``, which calls ``scontrol requeue`` for this job
+(the ``<array job>_<task>`` id inside a job array).
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from .errors import HpctrainError
+
+EXIT_PREEMPTED = 3
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_requested_by = None  # number of the first signal received, or None
+_previous = {}
+
+
+def _handler(signum, frame):
+    # Only an assignment: safe at any point of the interrupted code.
+    global _requested_by
+    if _requested_by is None:
+        _requested_by = signum
+
+
+def install(signals=DEFAULT_SIGNALS):
+    """Turn ``signals`` into the stop flag on this rank. Call from the main thread.
+
+    Returns the signals installed. Calling it again is harmless.
+    """
+    for sig in signals:
+        current = signal.getsignal(sig)
+        if current is not _handler:
+            _previous[sig] = current
+            signal.signal(sig, _handler)
+    return tuple(signals)
+
+
+def uninstall():
+    """Restore the handlers that :func:`install` replaced."""
+    while _previous:
+        sig, old = _previous.popitem()
+        signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def stop_requested():
+    """True once this rank received one of the installed signals."""
+    return _requested_by is not None
+
+
+def reason():
+    """``"SIGUSR1"`` etc. for the first signal received, or ``None``."""
+    return None if _requested_by is None else signal.Signals(_requested_by).name
+
+
+def reset():
+    """Forget a received signal (for tests, and after a checkpoint that handled it)."""
+    global _requested_by
+    _requested_by = None
+
+
+def slurm_job_id(environ=None):
+    """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside
+    a job array (requeueing the bare job id would requeue the whole array), else the job id,
+    or ``None`` outside Slurm."""
+    env = os.environ if environ is None else environ
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+class RequeueError(HpctrainError):
+    """The job asked to be requeued but could not be."""
+
+
+def requeue_if_possible(environ=None, scontrol=None, timeout=60):
+    """Requeue this Slurm job with ``scontrol requeue``. Returns the job id requeued, or
+    ``None`` (after saying why on stderr) when not running under Slurm.
+
+    Raises :class:`RequeueError` when under Slurm but ``scontrol`` is missing or refuses
+    (for example a job submitted with ``--no-requeue``): the checkpoint is saved, but the
+    job would otherwise silently not come back.
+    """
+    env = os.environ if environ is None else environ
+    job = slurm_job_id(env)
+    if job is None:
+        print("hpctrain: not running under Slurm (no SLURM_JOB_ID): nothing to requeue; "
+              "resume by starting the same command again", file=sys.stderr, flush=True)
+        return None
+    scontrol = scontrol or shutil.which("scontrol", path=env.get("PATH"))
+    if not scontrol:
+        raise RequeueError(
+            f"cannot requeue Slurm job {job}: `scontrol` is not on PATH ({env.get('PATH', '')})",
+            hint="load the Slurm module in the job script, or resubmit it yourself; "
+                 "the run resumes from its latest checkpoint")
+    try:
+        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RequeueError(f"`scontrol requeue {job}` failed: {exc}",
+                           hint="resubmit the job script; the run resumes from its latest checkpoint")
+    if proc.returncode != 0:
+        raise RequeueError(
+            f"`scontrol requeue {job}` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}",
+            hint="submit with `--requeue` (and check the cluster allows requeueing), or resubmit "
+                 "the job script; the run resumes from its latest checkpoint")
+    print(f"hpctrain: requeued Slurm job {job}", file=sys.stderr, flush=True)
+    return job
+
+
+def main(argv=None):
+    """``python -m hpctrain.preemption requeue``: used by slurm/preemptible.sbatch."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv != ["requeue"]:
+        print("usage: python -m hpctrain.preemption requeue", file=sys.stderr)
+        return 2
+    try:
+        requeued = requeue_if_possible()
+    except RequeueError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0 if requeued else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

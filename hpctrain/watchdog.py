@@ -1,0 +1,161 @@
+"""Hang detection: a thread that ends the whole job when a step takes far too long.
+
+A rank stuck in a collective (another rank died without MPI noticing, a deadlock, a dead
+file system) otherwise holds the allocation until the time limit. The trainer arms the
+watchdog around each step; if the step is still running after ``timeout`` seconds, the
+watchdog prints which rank and host, dumps the stack of every thread of this process, and
+calls ``MPI_Abort`` so that every rank ends with a non-zero status::
+
+    from hpctrain.watchdog import Watchdog
+
+    watchdog = Watchdog(timeout=600, comm=world.comm, where=world.where())
+    for step, batch in enumerate(loader):
+        with watchdog.step(step):
+            train_step(batch)
+    watchdog.close()
+
+``timeout=None`` takes ``HPCTRAIN_WATCHDOG_TIMEOUT`` (seconds); 0 disables the watchdog.
+Time between steps (evaluation, checkpoints) is not watched unless armed explicitly,
+e.g. ``with watchdog.step("checkpoint", timeout=1800):``.
+"""
+import contextlib
+import faulthandler
+import os
+import socket
+import sys
+import threading
+import time
+
+from . import settings
+
+EXIT_HUNG = 4  # exit status of a job the watchdog ended
+
+
+class Watchdog:
+    """Aborts the job when an armed section outlives its timeout.
+
+    ``comm``: the communicator to abort (default ``MPI.COMM_WORLD`` when mpi4py is already
+    imported; a size-1 job just exits). ``where``: how this rank is named in the message
+    (default ``rank R on HOST``). ``grace``: seconds to wait after the dump before aborting,
+    so that other ranks whose watchdogs fire at nearly the same moment can print theirs too.
+    """
+
+    def __init__(self, timeout=None, comm=None, where=None, grace=1.0, stream=None):
+        if timeout is None:
+            timeout = float(settings.get("WATCHDOG_TIMEOUT", "0") or 0)
+        if timeout < 0:
+            raise ValueError(f"watchdog timeout must be >= 0 seconds (0: off), got {timeout}")
+        self.timeout = float(timeout)
+        self.comm = comm
+        self.where = where
+        self.grace = grace
+        self.stream = stream
+        self._cond = threading.Condition()
+        self._deadline = None  # monotonic time at which an armed section expires
+        self._label = None
+        self._armed_for = None
+        self._closed = False
+        self._thread = None
+
+    @property
+    def enabled(self):
+        return self.timeout > 0
+
+    # ------------------------------------------------------------------ arming
+    def arm(self, label=None, timeout=None):
+        """Start (or restart) the clock for the section named ``label``."""
+        seconds = self.timeout if timeout is None else float(timeout)
+        if seconds <= 0:
+            return
+        self._ensure_thread()
+        with self._cond:
+            self._deadline = time.monotonic() + seconds
+            self._armed_for = seconds
+            self._label = label
+            self._cond.notify()
+
+    def disarm(self):
+        with self._cond:
+            self._deadline = None
+            self._cond.notify()
+
+    def beat(self, label=None):
+        """Progress was made: restart the clock (arms the watchdog if it was not)."""
+        self.arm(label)
+
+    @contextlib.contextmanager
+    def step(self, label=None, timeout=None):
+        """Watch one step: ``with watchdog.step(step_number): ...``."""
+        self.arm(label, timeout)
+        try:
+            yield self
+        finally:
+            self.disarm()
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            self._deadline = None
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _ensure_thread(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                label, seconds = self._label, self._armed_for
+                break
+            else:
+                return
+        self._expire(label, seconds)
+
+    def _describe(self):
+        if self.where:
+            return self.where
+        comm = self._comm()
+        rank = comm.Get_rank() if comm is not None else 0
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        return f"rank {rank} on {host}"
+
+    def _comm(self):
+        if self.comm is not None:
+            return self.comm
+        mpi = sys.modules.get("mpi4py.MPI")
+        return mpi.COMM_WORLD if mpi is not None else None
+
+    def _expire(self, label, seconds):
+        stream = self.stream or sys.stderr
+        section = "step" if label is None else (f"step {label}" if isinstance(label, int) else str(label))
+        try:
+            stream.write(
+                f"hpctrain: watchdog: {self._describe()}: {section} still running after {seconds:g} s "
+                f"(pid {os.getpid()}); stacks of all threads follow, then the job is aborted\n")
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
+        except Exception:  # a broken stream must not keep the job alive
+            pass
+        time.sleep(self.grace)
+        comm = self._comm()
+        if comm is not None and comm.Get_size() > 1:
+            comm.Abort(EXIT_HUNG)
+        os._exit(EXIT_HUNG)
