@@ -1,0 +1,144 @@
+"""Monitoring logic in one process: slow-rank rules, consistency comparison, progress
+output, and the Monitor itself on a one-rank communicator (real MPI, COMM_SELF)."""
+import io
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hpctrain.monitor import Monitor, divergent_ranks, param_checksum, timeline_env
+from hpctrain.progress import Progress, format_line, resolve_mode
+from hpctrain.slownodes import PHASES, SlowRankDetector, slow_ranks_now
+
+
+def table(work_ms, wait_ms=None):
+    """(ranks, phases) seconds per step: work put in the data phase, 1 ms forward/backward."""
+    rows = []
+    for i, w in enumerate(work_ms):
+        row = dict.fromkeys(PHASES, 0.0)
+        row["data"] = w / 1e3
+        row["forward_backward"] = 1e-3
+        row["allreduce_wait"] = (wait_ms[i] if wait_ms else 0.0) / 1e3
+        rows.append([row[p] for p in PHASES])
+    return np.array(rows)
+
+
+def test_a_consistently_slow_rank_is_reported_once_with_its_phase_and_host():
+    detector = SlowRankDetector(factor=1.3, window=3, min_seconds=0.005)
+    hosts = ["n1", "n1", "n2", "n2"]
+    slow = table([5, 40, 5, 5], wait_ms=[35, 0, 35, 35])
+    assert detector.update(slow, hosts, step=10) == []
+    assert detector.update(slow, hosts, step=20) == []
+    (finding,) = detector.update(slow, hosts, step=30)
+    assert (finding.rank, finding.host, finding.phase, finding.step) == (1, "n1", "data", 30)
+    assert "#SBATCH --exclude=n1" in finding.message() and "rank 1 on n1" in finding.message()
+    # persisting: quiet until the reminder, then said again
+    later = [detector.update(slow, hosts) for _ in range(3 * 10)]
+    assert sum(len(x) for x in later) == 1 and later[-1][0].gathers == 33
+
+
+def test_a_rank_that_recovers_starts_its_count_again():
+    detector = SlowRankDetector(factor=1.3, window=2, min_seconds=0.0)
+    hosts = ["a", "b", "c"]
+    assert detector.update(table([5, 20, 5]), hosts) == []
+    assert detector.update(table([5, 5, 5]), hosts) == []
+    assert detector.update(table([5, 20, 5]), hosts) == []
+    assert [f.rank for f in detector.update(table([5, 20, 5]), hosts)] == [1]
+
+
+def test_no_report_for_balanced_ranks_jitter_or_all_reduce_wait():
+    # 40% slower but only 0.4 ms: below min_seconds; and a large wait is not work
+    assert slow_ranks_now(table([1.0, 1.4, 1.0, 1.0]), 1.3, 0.005) == {}
+    assert slow_ranks_now(table([5, 5, 5, 5], wait_ms=[0, 80, 0, 0]), 1.3, 0.005) == {}
+    assert slow_ranks_now(table([5, 6, 5, 5]), 1.3, 0.0) == {}
+    # the slow phase is the one with the largest excess
+    means = table([5, 5, 5])
+    means[2, PHASES.index("optimizer")] = 0.05
+    assert slow_ranks_now(means, 1.3, 0.005)[2][0] == "optimizer"
+
+
+def test_divergent_ranks_are_the_minority():
+    same, other = [1.5, 7.0], [1.5, 8.0]
+    assert divergent_ranks([same, same, other, same]) == ([0, 1, 3], [2])
+    assert divergent_ranks([same, same]) == ([0, 1], [])
+    assert divergent_ranks([same, other]) == ([0], [1])  # a tie: rank 0's side is the reference
+
+
+def test_param_checksum_sees_one_changed_element():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 2))
+    b = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 2))
+    b.load_state_dict(a.state_dict())
+    assert np.array_equal(param_checksum(a), param_checksum(b))
+    with torch.no_grad():
+        b[0].weight[17, 5] += 1e-4  # not in the strided sample: the sum sees it
+    assert not np.array_equal(param_checksum(a), param_checksum(b))
+    b.load_state_dict(a.state_dict())
+    b.to(torch.bfloat16)  # any dtype: bytes are compared, not values
+    assert param_checksum(b).shape == (2,)
+
+
+def test_progress_modes_and_lines():
+    assert resolve_mode("auto", io.StringIO()) == "log"  # not a terminal: a batch job
+    assert resolve_mode("bar", io.StringIO()) == "bar"
+    line = format_line(200, 1000, 1, loss=0.4312, lr=1e-3, samples_per_s=5120.3, step_time=0.05, eta=40)
+    assert line == "step 200/1000 epoch 1 loss 0.4312 lr 1.00e-03 5120.3 samples/s 0.050 s/step ETA 0:00:40"
+    out = io.StringIO()
+    bar = Progress("bar", total_steps=10, stream=out)
+    for step in range(1, 6):
+        bar.step(step, 0, loss=0.5)
+    bar.message("hpctrain: warning: something")
+    bar.close()
+    assert "5/10" in out.getvalue() and "hpctrain: warning: something" in out.getvalue()
+    quiet = io.StringIO()
+    off = Progress("off", stream=quiet)
+    off.step(1, 0)
+    off.interval(1, 0, loss=1.0)
+    assert quiet.getvalue() == ""
+    off.message("still said")
+    assert quiet.getvalue() == "still said\n"
+
+
+def test_timeline_env():
+    assert timeline_env("/runs/a", SimpleNamespace(horovod_timeline=False)) == {}
+    assert timeline_env("/runs/a", SimpleNamespace(horovod_timeline=True)) == {
+        "HOROVOD_TIMELINE": "/runs/a/horovod_timeline.json"}
+
+
+def test_monitor_on_one_rank_writes_metrics(tmp_path):
+    torch = pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from hpctrain.state import TrainState
+
+    model = torch.nn.Linear(4, 1)
+    state = TrainState(model, None)
+    out = io.StringIO()
+    monitor = Monitor(tmp_path, MPI.COMM_SELF, log_every=4, gather_every=2, progress="log",
+                      consistency_every=4, total_steps=8, samples_per_step=32, stream=out, node="node07")
+    for step in range(1, 9):
+        state.progress.step, state.progress.epoch = step, step // 5
+        metrics = {"loss": torch.tensor(1.0 / step), "lr": 0.1}
+        phases = {"data": 0.001, "forward_backward": 0.002, "allreduce_wait": 0.0, "optimizer": 0.0005}
+        if step == 6:
+            metrics["checkpoint"] = {"path": "ckpt-6.h5"}
+            phases["checkpoint"] = 0.25
+        monitor.on_step(state, metrics, phases)
+    monitor.on_eval(state, {"val_loss": 0.5, "accuracy": torch.tensor(0.75)})
+    monitor.on_end(state)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds == ["start", "train", "checkpoint", "train", "eval", "end"]
+    first = records[1]
+    assert first["step"] == 4 and first["loss"] == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)
+    assert first["samples_per_s"] > 0 and first["lr"] == 0.1
+    assert first["phases"]["data"]["mean"] == pytest.approx(0.001)
+    assert first["ranks"][0]["host"] == "node07"
+    assert first["ranks"][0]["work"] == pytest.approx(0.0035)
+    assert first["gather"]["seconds"] >= 0
+    assert records[2] == {**records[2], "step": 6, "path": "ckpt-6.h5", "seconds": 0.25}
+    assert records[4]["accuracy"] == 0.75
+    text = out.getvalue()
+    assert "step 4/8 epoch 0 loss" in text and "step 8/8" in text and "eval at step 8" in text

@@ -1,0 +1,42 @@
+"""The Monitor under a real mpirun: a rank slowed on purpose is named with its phase, one
+rank's perturbed parameters are caught, and a healthy run reports nothing."""
+import json
+
+import pytest
+
+from mpi_harness import mpirun
+
+pytestmark = pytest.mark.mpi
+
+LOOP = "tests/mpi/monitor_loop.py"
+
+
+def records(run_dir, kind=None):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    found = [json.loads(line) for line in lines]
+    return [r for r in found if kind is None or r["kind"] == kind]
+
+
+def test_slow_rank_and_diverged_parameters_are_reported(tmp_path):
+    result = mpirun(4, [LOOP, tmp_path, "--steps", "30", "--slow-rank", "1", "--perturb-rank", "2",
+                        "--perturb-step", "12", "--consistency-every", "5"], timeout=150).check()
+    (slow,) = records(tmp_path, "slow_rank")  # reported once, not at every gather
+    assert slow["rank"] == 1 and slow["phase"] == "data" and slow["ratio"] > 1.3
+    assert slow["exclude"] == f"#SBATCH --exclude={slow['host']}"
+    assert "slow rank: rank 1 on" in result.stderr and "the slow phase is 'data'" in result.stderr
+    (diverged,) = records(tmp_path, "divergence")
+    assert diverged["ranks"] == [2] and diverged["reference_ranks"] == [0, 1, 3] and diverged["step"] == 15
+    assert "parameters differ across ranks at step 15: rank(s) 2" in result.stderr
+    # rank 0 speaks, once; the others only print the script's own last line
+    assert result.stderr.count("step 10/30") == 1 and result.stderr.count("slow rank:") == 1
+    train = records(tmp_path, "train")
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert all(len(r["ranks"]) == 4 for r in train)
+
+
+def test_healthy_run_reports_nothing(tmp_path):
+    result = mpirun(4, [LOOP, tmp_path, "--steps", "30", "--consistency-every", "5"], timeout=150).check()
+    assert records(tmp_path, "slow_rank") == [] and records(tmp_path, "divergence") == []
+    assert "warning" not in result.output
+    train = records(tmp_path, "train")
+    assert train[-1]["step"] == 30 and train[-1]["gather"]["seconds"] < 1.0
