@@ -189,7 +189,8 @@ class Monitor:
         now = time.perf_counter()
         step, epoch = state.progress.step, state.progress.epoch
         known = [float(phase_times.get(p, 0.0) or 0.0) for p in PHASES]
-        other = sum(float(v or 0.0) for k, v in phase_times.items() if k not in PHASES)
+        # "step" (the timer's own wall time) is a total, not a phase
+        other = sum(float(v or 0.0) for k, v in phase_times.items() if k not in PHASES and k != "step")
         # Between two calls is the whole step as this rank lived it; the first call has
         # only the phases to go by.
         wall = now - self.last_step_end if self.last_step_end is not None else sum(known) + other
@@ -213,7 +214,7 @@ class Monitor:
         if not self.is_root:
             return
         values = {k: _number(v) for k, v in metrics.items()}
-        values = {k: v for k, v in values.items() if v is not None}
+        values = {k: v for k, v in values.items() if v is not None and k not in ("step", "epoch", "kind")}
         step = state.progress.step
         self.writer.write({"kind": "eval", "step": step, "epoch": state.progress.epoch,
                            "time": time.time() - self.started, "timestamp": time.time(), **values})
@@ -313,6 +314,7 @@ class Monitor:
             row = {"rank": r, "host": self.hosts[r], "step_time": float(step_time[r]),
                    "step_time_max": float(table[r, _WALL_MAX]), "work": float(work[r])}
             row.update({p: float(phase_means[r, i]) for i, p in enumerate(PHASES)})
+            row["other"] = float(table[r, _OTHER] / steps[r])
             ranks.append(row)
         mean_step = float(step_time.mean())
         interval_seconds = float(table[0, _WALL])

@@ -121,7 +121,8 @@ def test_monitor_on_one_rank_writes_metrics(tmp_path):
     for step in range(1, 9):
         state.progress.step, state.progress.epoch = step, step // 5
         metrics = {"loss": torch.tensor(1.0 / step), "lr": 0.1}
-        phases = {"data": 0.001, "forward_backward": 0.002, "allreduce_wait": 0.0, "optimizer": 0.0005}
+        phases = {"data": 0.001, "forward_backward": 0.002, "allreduce_wait": 0.0, "optimizer": 0.0005,
+                  "step": 0.0035, "eval": 0.001}  # as PhaseTimer.times() gives, plus an unknown phase
         if step == 6:
             metrics["checkpoint"] = {"path": "ckpt-6.h5"}
             phases["checkpoint"] = 0.25
@@ -137,6 +138,7 @@ def test_monitor_on_one_rank_writes_metrics(tmp_path):
     assert first["phases"]["data"]["mean"] == pytest.approx(0.001)
     assert first["ranks"][0]["host"] == "node07"
     assert first["ranks"][0]["work"] == pytest.approx(0.0035)
+    assert first["ranks"][0]["other"] == pytest.approx(0.001)  # the timer's "step" total is not a phase
     assert first["gather"]["seconds"] >= 0
     assert records[2] == {**records[2], "step": 6, "path": "ckpt-6.h5", "seconds": 0.25}
     assert records[4]["accuracy"] == 0.75
