@@ -1,10 +1,28 @@
-"""Configuration as dataclasses, validated once, before any collective.
+"""Configuration: one dataclass per TOML section, ``key=value`` overrides, validation.
 
-(The training sections are filled in by the training module's owner; the checkpoint and
-monitor sections are fixed here so that those modules can rely on them.)
+    [run]   [model]   [data]   [train]   [comm]   [checkpoint]   [monitor]
+
+Sources, each later one winning: the TOML file, ``HPCTRAIN_BACKEND`` (see
+:mod:`hpctrain.settings`), ``section.key=value`` overrides typed by the field they set.
+Unknown sections and keys are errors that list the valid ones. :func:`validate` checks
+what types cannot (choices, divisibility, a GPU for fp16) and is run on every rank before
+any collective.
+
+>>> cfg = load_config("examples/digits.toml", ["train.batch_size=32", "comm.compression=fp16"])  # doctest: +SKIP
+>>> cfg = validate(cfg, world_size=2)                                                               # doctest: +SKIP
 """
-from dataclasses import dataclass
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
 from typing import Optional
+
+from . import settings
+from .backends import NAMES as BACKENDS
+from .compression import NAMES as COMPRESSIONS
+from .errors import ConfigError
 
 
 @dataclass
@@ -25,3 +43,360 @@ class CheckpointConfig:
     async_save: bool = False  # copy to host memory, write while training continues
     verify: bool = True  # verify checksums after write, before rename
     consistency: str = "check"  # "check", "repair" or "off"
+
+
+# ---------------------------------------------------------------- the other sections
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCALINGS = ("none", "linear")
+PRECISIONS = ("fp32", "bf16", "fp16")
+GENERATORS = ("none", "digits", "teacher")
+
+
+@dataclass
+class RunConfig:
+    """``[run]``: where the run's files go and its seed."""
+
+    name: str = "run"
+    root: Optional[str] = None  # default: $HPCTRAIN_RUN_ROOT or ./runs
+    run_dir: Optional[str] = None  # default: <root>/<name>-<YYYYmmdd-HHMMSS>; reuse one to resume
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """``[model]``: one of the models in :mod:`hpctrain.models`."""
+
+    name: str = "mlp"
+    in_features: int = 64
+    hidden: int = 128  # width of every hidden layer
+    depth: int = 1  # number of hidden layers (residual blocks when ``residual``)
+    num_classes: int = 10
+    residual: bool = False
+    layer_norm: bool = False
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """``[data]``: an HDF5 file with a training and (optionally) a validation split."""
+
+    path: Optional[str] = None  # HDF5 file
+    train: str = "train"  # group holding the training split ("" = the file's root)
+    val: str = "val"  # group holding the validation split; "none" for no evaluation
+    x: str = "x"  # dataset names inside each group
+    y: str = "y"
+    generate: str = "none"  # create ``path`` on rank 0 if missing: "digits", "teacher" or "none"
+    samples: int = 65536  # teacher corpus: training samples
+    val_samples: int = 4096  # teacher corpus: validation samples
+
+
+@dataclass
+class LoopConfig:
+    """``[train]``: the training loop."""
+
+    epochs: int = 1
+    max_steps: int = 0  # stop after this many optimizer steps; 0: no limit
+    batch_size: int = 32  # per rank and backward pass
+    global_batch_size: int = 0  # if set: batch_size = global_batch_size / (ranks x accumulation)
+    accumulation: int = 1  # backward passes per optimizer step
+    lr: float = 0.1
+    optimizer: str = "sgd"  # sgd, adam, adamw
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_scaling: str = "none"  # "linear": lr x ranks
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
+    precision: str = "fp32"  # fp32, bf16 (CPU or GPU), fp16 (GPU only, with a GradScaler)
+    eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
+    eval_batch_size: int = 0  # 0: batch_size
+
+
+@dataclass
+class CommConfig:
+    """``[comm]``: gradient communication."""
+
+    backend: str = "horovod"  # or "mpi"; HPCTRAIN_BACKEND overrides the file
+    compression: str = "none"  # or "fp16"
+    gradient_predivide_factor: float = 1.0  # divide before the sum, the rest after (fp16 range)
+
+
+@dataclass
+class MonitorConfig:
+    """``[monitor]``."""
+
+    log_every: int = 10  # steps between progress lines on rank 0
+    progress: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    """A whole run's configuration: one attribute per TOML section.
+
+    >>> cfg = TrainConfig()
+    >>> cfg.train.batch_size = 64
+    >>> cfg = load_config("examples/digits.toml", ["train.lr=0.05"])   # doctest: +SKIP
+    """
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    @classmethod
+    def from_dict(cls, data, source="configuration"):
+        """Build from nested dicts (as TOML gives); unknown sections or keys are errors."""
+        cfg = cls()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table of sections, found {type(data).__name__}")
+        for section, values in data.items():
+            target = _section(cfg, section, source)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{section}] must be a table of keys, found {values!r}",
+                                  hint=f"write it as\n[{section}]\nkey = value")
+            for key, value in values.items():
+                _set(target, section, key, value, source)
+        return cfg
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_toml(self):
+        """TOML text that :func:`load_config` reads back to an equal configuration."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is None:
+                    lines.append(f"# {key} = (not set)")
+                elif isinstance(value, bool):
+                    lines.append(f"{key} = {'true' if value else 'false'}")
+                elif isinstance(value, (int, float)):
+                    lines.append(f"{key} = {value!r}")
+                else:
+                    lines.append(f"{key} = {json.dumps(str(value))}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def section_names():
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _closest(name, choices):
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return close[0] if close else None
+
+
+def _section(cfg, section, source):
+    names = section_names()
+    if section not in names:
+        close = _closest(section, names)
+        raise ConfigError(f"{source}: unknown section [{section}]; valid sections: {', '.join(names)}",
+                          hint=f"did you mean [{close}]?" if close else "remove it")
+    return getattr(cfg, section)
+
+
+def _fields(obj):
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _field_type(obj, key):
+    hints = typing.get_type_hints(type(obj))
+    kind = hints[key]
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    if optional:
+        kind = next(a for a in args if a is not type(None))
+    return kind, optional
+
+
+def _set(obj, section, key, value, source, from_text=False):
+    """Set ``obj.key`` (in ``[section]``) from a TOML value or, with ``from_text``, a string."""
+    fields = _fields(obj)
+    if key not in fields:
+        valid = ", ".join(fields)
+        close = _closest(key, fields)
+        raise ConfigError(f"{source}: unknown key {section}.{key}; valid keys in [{section}]: {valid}",
+                          hint=f"did you mean {section}.{close}?" if close else "remove it")
+    kind, optional = _field_type(obj, key)
+    setattr(obj, key, _convert(value, kind, optional, f"{section}.{key}", source, from_text))
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _convert(value, kind, optional, name, source, from_text):
+    def bad(expected):
+        return ConfigError(f"{source}: {name} = {value!r} is not {expected}",
+                           hint=f"give {name} {expected}, e.g. {name}={_example(kind)}")
+
+    if from_text:
+        text = value.strip()
+        if optional and text.lower() in ("", "none", "null"):
+            return None
+        if kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise bad("a boolean (true or false)")
+        if kind is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise bad("an integer") from None
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise bad("a number") from None
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            text = text[1:-1]
+        return text
+    if value is None and optional:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad("a boolean (true or false)")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
+def _example(kind):
+    return {bool: "true", int: "10", float: "0.5"}.get(kind, "name")
+
+
+def apply_override(cfg, text, source="command line"):
+    """Apply one ``section.key=value`` override (the value typed by the field)."""
+    if "=" not in text:
+        raise ConfigError(f"{source}: {text!r} is not a key=value override",
+                          hint="write overrides as section.key=value, e.g. train.batch_size=32")
+    dotted, value = text.split("=", 1)
+    dotted = dotted.strip()
+    if dotted.count(".") != 1:
+        raise ConfigError(f"{source}: {dotted!r} is not a section.key name",
+                          hint=f"valid sections: {', '.join(section_names())}; e.g. train.lr=0.1")
+    section, key = dotted.split(".")
+    _set(_section(cfg, section, source), section, key, value, source, from_text=True)
+    return cfg
+
+
+def _read_toml(path):
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise ConfigError("reading TOML needs Python >= 3.11 or the tomli package",
+                              hint="pip install tomli") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path} does not exist",
+                          hint="give the path of a TOML file, e.g. examples/digits.toml") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}", hint="fix the line named above") from None
+
+
+def load_config(path=None, overrides=(), environ=None):
+    """Read a TOML file (or start from defaults), then apply environment variables
+    (``HPCTRAIN_BACKEND``), then ``key=value`` overrides; each later source wins.
+
+    >>> cfg = load_config("examples/digits.toml", ["train.batch_size=32", "comm.backend=mpi"])  # doctest: +SKIP
+    """
+    cfg = TrainConfig() if path is None else TrainConfig.from_dict(_read_toml(path), source=str(path))
+    backend = settings.get("BACKEND", environ=environ)
+    if backend:
+        cfg.comm.backend = backend.strip()
+    for text in overrides:
+        apply_override(cfg, text)
+    return cfg
+
+
+def validate(cfg, world_size=1, cuda=False, need_data=True):
+    """Check values that no single field's type can; return a resolved copy.
+
+    The copy has ``train.batch_size`` (per rank) derived from ``global_batch_size`` when that
+    is set. Raises :class:`ConfigError` naming the key, the value and the fix.
+    """
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))
+
+    def choice(name, value, choices, hint=None):
+        if value not in choices:
+            close = _closest(value, choices)
+            raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}",
+                              hint=hint or (f"did you mean {name} = {close!r}?" if close
+                                            else f"set {name} to one of {', '.join(choices)}"))
+
+    def positive(name, value, zero_ok=False):
+        if value < 0 or (value == 0 and not zero_ok):
+            raise ConfigError(f"{name} = {value!r} must be {'>= 0' if zero_ok else '> 0'}",
+                              hint=f"set {name} to a {'non-negative' if zero_ok else 'positive'} value")
+
+    t, c = cfg.train, cfg.comm
+    choice("comm.backend", c.backend, BACKENDS)
+    choice("comm.compression", c.compression, COMPRESSIONS)
+    positive("comm.gradient_predivide_factor", c.gradient_predivide_factor)
+    choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    choice("train.lr_scaling", t.lr_scaling, LR_SCALINGS)
+    choice("train.precision", t.precision, PRECISIONS)
+    if t.precision == "fp16" and not cuda:
+        raise ConfigError("train.precision = \"fp16\" needs a GPU (a GradScaler on CUDA); this rank has none",
+                          hint='use train.precision = "bf16" (mixed precision on CPU) or "fp32"')
+    for name in ("batch_size", "accumulation", "epochs"):
+        positive(f"train.{name}", getattr(t, name))
+    positive("train.lr", t.lr)
+    for name in ("max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
+                 "eval_every", "eval_batch_size"):
+        positive(f"train.{name}", getattr(t, name), zero_ok=True)
+    if t.global_batch_size:
+        per_step = world_size * t.accumulation
+        if t.global_batch_size % per_step:
+            lower = max(per_step, t.global_batch_size // per_step * per_step)
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by ranks x accumulation "
+                f"= {world_size} x {t.accumulation} = {per_step}",
+                hint=f"use a multiple of {per_step} (e.g. {lower} or {lower + per_step}), or set the "
+                     f"per-rank train.batch_size instead")
+        t.batch_size = t.global_batch_size // per_step
+    from .models import NAMES as MODELS
+
+    choice("model.name", cfg.model.name, MODELS)
+    for name in ("in_features", "hidden", "depth", "num_classes"):
+        positive(f"model.{name}", getattr(cfg.model, name))
+    if not 0 <= cfg.model.dropout < 1:
+        raise ConfigError(f"model.dropout = {cfg.model.dropout} must be in [0, 1)", hint="e.g. model.dropout=0.1")
+    choice("data.generate", cfg.data.generate, GENERATORS)
+    if need_data and not cfg.data.path:
+        raise ConfigError("data.path is not set: no training data",
+                          hint='set data.path = "data/digits.h5" (with data.generate = "digits" to create it)')
+    if cfg.data.generate == "digits" and (cfg.model.in_features, cfg.model.num_classes) != (64, 10):
+        raise ConfigError(f"data.generate = \"digits\" makes 64 features and 10 classes, but model.in_features = "
+                          f"{cfg.model.in_features} and model.num_classes = {cfg.model.num_classes}",
+                          hint="set model.in_features = 64 and model.num_classes = 10")
+    positive("data.samples", cfg.data.samples)
+    positive("data.val_samples", cfg.data.val_samples, zero_ok=True)
+    positive("monitor.log_every", cfg.monitor.log_every)
+    k = cfg.checkpoint
+    choice("checkpoint.best_mode", k.best_mode, ("min", "max"))
+    for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every"):
+        positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
+    if not cfg.run.name or os.sep in cfg.run.name:
+        raise ConfigError(f"run.name = {cfg.run.name!r} must be a non-empty name without {os.sep!r}",
+                          hint='e.g. run.name = "digits"')
+    return cfg

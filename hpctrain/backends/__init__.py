@@ -1,0 +1,42 @@
+"""Communication backends: the one place where one is chosen.
+
+``horovod`` (default): Horovod's ``DistributedOptimizer`` (ring all-reduce with tensor fusion,
+overlapping the backward pass). ``mpi``: plain mpi4py all-reduce of fused gradient buffers,
+for machines without Horovod. Both implement :class:`hpctrain.backends.base.Backend`.
+
+>>> backend = get_backend("mpi", world, compression="fp16")     # doctest: +SKIP
+"""
+from ..errors import ConfigError
+from .base import Backend
+
+NAMES = ("horovod", "mpi")
+
+__all__ = ["Backend", "NAMES", "get_backend"]
+
+
+def get_backend(name, world, compression="none", gradient_predivide_factor=1.0):
+    """Create and initialise the backend called ``name`` for ``world``.
+
+    Raises :class:`~hpctrain.errors.BackendUnavailable` when it is not installed, and
+    :class:`~hpctrain.errors.ConfigError` for an unknown name.
+    """
+    from ..coordination import all_or_none
+
+    # Agree first that every rank can load it: a rank without Horovod must not leave the
+    # others waiting inside hvd.init().
+    cls = all_or_none(lambda: _backend_class(name), world.comm)
+    return cls(world, compression=compression, gradient_predivide_factor=gradient_predivide_factor)
+
+
+def _backend_class(name):
+    if name == "horovod":
+        from .horovod_backend import HorovodBackend, import_horovod
+
+        import_horovod()
+        return HorovodBackend
+    if name == "mpi":
+        from .mpi_backend import MPIBackend
+
+        return MPIBackend
+    raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}",
+                      hint='set comm.backend = "horovod" or "mpi" (or HPCTRAIN_BACKEND)')

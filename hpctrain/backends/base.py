@@ -1,0 +1,77 @@
+"""The communication backend interface the trainer talks to.
+
+A training step with any backend::
+
+    optimizer = backend.distributed_optimizer(optimizer, model, accumulation)
+    backend.broadcast_state(model, optimizer)        # rank 0's weights and optimizer state
+    for micro_batch in step:                          # ``accumulation`` backward passes
+        loss.backward()
+    backend.synchronize(optimizer)                    # gradients averaged over all ranks
+    backend.step(optimizer)                           # apply them (every rank the same)
+    optimizer.zero_grad()
+
+The helpers (``allreduce_mean``, ``broadcast_object``, ``allgather_object``, ``barrier``)
+are for metrics and small control data, not for gradients.
+"""
+
+
+class Backend:
+    """One communication backend. Subclasses implement every method below."""
+
+    name = "base"
+
+    def __init__(self, world, compression="none", gradient_predivide_factor=1.0):
+        self.world = world
+        self.compression = compression
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+
+    @property
+    def rank(self):
+        return self.world.rank
+
+    @property
+    def size(self):
+        return self.world.size
+
+    # ---- gradients
+    def distributed_optimizer(self, optimizer, model, accumulation=1):
+        """Return the optimizer to train with (possibly a wrapper of ``optimizer``).
+
+        Gradients are averaged over ranks once every ``accumulation`` backward passes; in
+        between they are summed locally.
+        """
+        raise NotImplementedError
+
+    def broadcast_state(self, model, optimizer, root=0):
+        """Make every rank's parameters, buffers and optimizer state equal to ``root``'s."""
+        raise NotImplementedError
+
+    def synchronize(self, optimizer):
+        """Wait until this step's gradients are averaged over all ranks."""
+        raise NotImplementedError
+
+    def step(self, optimizer, scaler=None):
+        """Apply the averaged gradients (after :meth:`synchronize`)."""
+        raise NotImplementedError
+
+    # ---- small collectives
+    def allreduce_mean(self, value):
+        """Mean over ranks of a float or a tensor (returns the same kind)."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj, root=0):
+        raise NotImplementedError
+
+    def allgather_object(self, obj):
+        """List of every rank's ``obj``, in rank order."""
+        raise NotImplementedError
+
+    def barrier(self):
+        raise NotImplementedError
+
+    def close(self):
+        """Release the backend's resources (idempotent)."""
+
+    def describe(self):
+        return (f"{self.name} backend, {self.size} ranks, compression {self.compression}, "
+                f"gradient_predivide_factor {self.gradient_predivide_factor:g}")

@@ -1,0 +1,88 @@
+"""Horovod backend: ``hvd.DistributedOptimizer`` (ring all-reduce, tensor fusion, overlap
+of communication with the backward pass). The only module of hpctrain that imports horovod.
+"""
+from ..errors import BackendUnavailable, ConfigError
+from .base import Backend
+
+
+def import_horovod():
+    try:
+        import horovod.torch as hvd
+    except Exception as exc:  # ImportError, or a broken build (undefined symbol: OSError)
+        raise BackendUnavailable(
+            f"the horovod backend was asked for, but Horovod cannot be imported here "
+            f"({type(exc).__name__}: {exc})",
+            hint='run `make setup` (builds Horovod against this MPI and PyTorch), or train with '
+                 'the mpi4py backend: comm.backend = "mpi" (or HPCTRAIN_BACKEND=mpi)') from None
+    return hvd
+
+
+class HorovodBackend(Backend):
+    name = "horovod"
+
+    def __init__(self, world, compression="none", gradient_predivide_factor=1.0):
+        super().__init__(world, compression, gradient_predivide_factor)
+        hvd = self.hvd = import_horovod()
+        if not hvd.is_initialized():
+            # mpi4py has already initialised MPI (THREAD_MULTIPLE); Horovod joins that world.
+            hvd.init(comm=world.comm)
+        if hvd.size() != world.size or hvd.rank() != world.rank:
+            raise BackendUnavailable(
+                f"Horovod sees rank {hvd.rank()} of {hvd.size()} but MPI says rank {world.rank} "
+                f"of {world.size}", hint="rebuild Horovod against the MPI that mpi4py uses (`make setup`)")
+        compressors = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+        if compression not in compressors:
+            raise ConfigError(f"unknown compression {compression!r}; expected one of "
+                              f"{', '.join(compressors)}", hint='comm.compression = "none" or "fp16"')
+        self._compressor = compressors[compression]
+
+    def distributed_optimizer(self, optimizer, model, accumulation=1):
+        return self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=self._compressor,
+            backward_passes_per_step=accumulation, op=self.hvd.Average,
+            gradient_predivide_factor=self.gradient_predivide_factor)
+
+    def broadcast_state(self, model, optimizer, root=0):
+        hvd = self.hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+        # A fresh optimizer has no state; Horovod would create it with a dummy step, which
+        # changes the weights under weight decay. Broadcast only state that exists.
+        with_state = self.world.comm.allreduce(1 if len(optimizer.state) else 0)
+        if with_state:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+        if 0 < with_state < self.size:  # some ranks took that dummy step: undo it
+            hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+
+    def synchronize(self, optimizer):
+        optimizer.synchronize()
+
+    def step(self, optimizer, scaler=None):
+        # Gradients are already averaged by synchronize(); do not wait for them twice.
+        with optimizer.skip_synchronize():
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+
+    def allreduce_mean(self, value):
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return self.hvd.allreduce(value.detach().cpu(), op=self.hvd.Average).to(value.device)
+        tensor = torch.tensor([float(value)], dtype=torch.float64)
+        return float(self.hvd.allreduce(tensor, op=self.hvd.Average)[0])
+
+    def broadcast_object(self, obj, root=0):
+        return self.hvd.broadcast_object(obj, root_rank=root)
+
+    def allgather_object(self, obj):
+        return self.hvd.allgather_object(obj)
+
+    def barrier(self):
+        self.hvd.barrier()
+
+    def close(self):
+        # Horovod shuts down at exit; shutting down here would break a second Trainer in
+        # the same process.
+        pass

@@ -1,0 +1,136 @@
+"""Configuration: TOML loading, key=value overrides typed by the field, validation errors."""
+import pytest
+
+from hpctrain.config import CheckpointConfig, TrainConfig, apply_override, load_config, validate
+from hpctrain.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_sections_and_defaults(tmp_path):
+    path = write(tmp_path, '[run]\nname = "x"\n[train]\nbatch_size = 16\nlr = 1\n[comm]\nbackend = "mpi"\n'
+                           '[checkpoint]\nevery_steps = 5\n')
+    cfg = load_config(path, environ={})
+    assert cfg.run.name == "x" and cfg.train.batch_size == 16
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.comm.backend == "mpi" and cfg.comm.compression == "none"
+    assert isinstance(cfg.checkpoint, CheckpointConfig) and cfg.checkpoint.every_steps == 5
+    assert cfg.monitor.log_every == 10 and cfg.monitor.progress == "auto"
+
+
+def test_overrides_are_typed_by_the_field(tmp_path):
+    cfg = load_config(None, ["train.batch_size=32", "checkpoint.every_steps=10", "train.lr=0.5",
+                             "model.residual=true", "checkpoint.async_save=0", "run.name='quoted'",
+                             "checkpoint.directory=/scratch/ck", "run.root=none"], environ={})
+    assert cfg.train.batch_size == 32 and cfg.checkpoint.every_steps == 10 and cfg.train.lr == 0.5
+    assert cfg.model.residual is True and cfg.checkpoint.async_save is False
+    assert cfg.run.name == "quoted" and cfg.checkpoint.directory == "/scratch/ck" and cfg.run.root is None
+
+
+def test_precedence_file_then_environment_then_command_line(tmp_path):
+    path = write(tmp_path, '[comm]\nbackend = "horovod"\n')
+    assert load_config(path, environ={"HPCTRAIN_BACKEND": "mpi"}).comm.backend == "mpi"
+    assert load_config(path, ["comm.backend=horovod"], environ={"HPCTRAIN_BACKEND": "mpi"}).comm.backend == "horovod"
+
+
+def test_unknown_key_names_it_lists_valid_keys_and_suggests(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "[train]\nbach_size = 3\n"), environ={})
+    text = str(err.value)
+    assert "unknown key train.bach_size" in text and "batch_size, " in text
+    assert "HINT: did you mean train.batch_size?" in text
+    with pytest.raises(ConfigError, match=r"unknown key comm.compresion.*\n.*did you mean comm.compression"):
+        load_config(None, ["comm.compresion=fp16"], environ={})
+
+
+def test_unknown_section_lists_valid_sections(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "[trian]\nlr = 1\n"), environ={})
+    assert "unknown section [trian]" in str(err.value) and "run, model, data, train, comm" in str(err.value)
+    assert "did you mean [train]" in str(err.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.batch_size=big", "train.batch_size = 'big' is not an integer"),
+    ("model.residual=maybe", "is not a boolean"),
+    ("train.lr=fast", "is not a number"),
+    ("batch_size=3", "not a section.key name"),
+    ("train.batch_size", "not a key=value override"),
+])
+def test_bad_override_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override], environ={})
+
+
+def test_wrong_type_in_toml(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.epochs = '3' is not an integer"):
+        load_config(write(tmp_path, '[train]\nepochs = "3"\n'), environ={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[train\n"), environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def valid(**sections):
+    cfg = load_config(None, ["data.path=x.h5"] + [f"{k}={v}" for k, v in sections.items()], environ={})
+    return cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("comm.compression=fp8", "comm.compression = 'fp8' is not one of none, fp16"),
+    ("comm.backend=nccl", "comm.backend = 'nccl' is not one of horovod, mpi"),
+    ("train.optimizer=adamm", "did you mean train.optimizer = 'adam'"),
+    ("train.precision=fp16", "needs a GPU"),
+    ("train.batch_size=0", "train.batch_size = 0 must be > 0"),
+    ("comm.gradient_predivide_factor=0", "must be > 0"),
+    ("train.lr_scaling=sqrt", "is not one of none, linear"),
+    ("data.generate=mnist", "data.generate = 'mnist'"),
+    ("run.name=a/b", "run.name"),
+])
+def test_validation_errors(override, message):
+    cfg = load_config(None, ["data.path=x.h5", override], environ={})
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=2)
+
+
+def test_global_batch_must_divide_by_ranks_times_accumulation():
+    cfg = load_config(None, ["data.path=x.h5", "train.global_batch_size=100", "train.accumulation=2"], environ={})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=3)
+    assert "train.global_batch_size = 100 is not divisible by ranks x accumulation = 3 x 2 = 6" in str(err.value)
+    assert "HINT: use a multiple of 6 (e.g. 96 or 102)" in str(err.value)
+    resolved = validate(cfg, world_size=5)
+    assert resolved.train.batch_size == 10 and cfg.train.batch_size == 32  # the input is not changed
+
+
+def test_fp16_is_fine_on_a_gpu_and_bf16_on_cpu():
+    validate(load_config(None, ["data.path=x.h5", "train.precision=fp16"], environ={}), cuda=True)
+    validate(load_config(None, ["data.path=x.h5", "train.precision=bf16"], environ={}))
+
+
+def test_missing_data_path_unless_data_is_given():
+    with pytest.raises(ConfigError, match="data.path is not set"):
+        validate(TrainConfig())
+    validate(TrainConfig(), need_data=False)
+
+
+def test_to_toml_round_trip(tmp_path):
+    cfg = load_config(None, ["train.lr=0.25", "run.name=a \"b\"", "checkpoint.keep_last=0"], environ={})
+    again = load_config(write(tmp_path, cfg.to_toml()), environ={})
+    assert again == cfg
+
+
+def test_examples_are_valid():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).resolve().parent.parent.glob("examples/*.toml")):
+        validate(load_config(path, environ={}), world_size=2)
+
+
+def test_apply_override_on_a_built_config():
+    cfg = apply_override(TrainConfig(), "monitor.log_every=3")
+    assert cfg.monitor.log_every == 3
