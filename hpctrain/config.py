@@ -124,7 +124,15 @@ class MonitorConfig:
     """``[monitor]``."""
 
     log_every: int = 10  # steps between progress lines on rank 0
-    progress: str = "auto"
+    progress: str = "auto"  # "auto" (a bar on a terminal, lines otherwise), "bar", "log", "off"
+    # the rest: see docs/monitoring.md
+    gather_every: int = 0  # steps between gathers of per-rank phase timings; 0: log_every
+    slow_rank_factor: float = 1.3  # a rank whose work per step exceeds factor x median ...
+    slow_rank_window: int = 3  # ... in this many consecutive gathers is reported
+    slow_rank_min_seconds: float = 0.005  # ... and only if it is also this much slower per step
+    consistency_every: int = 0  # steps between parameter checksums compared across ranks; 0: off
+    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    horovod_timeline: bool = False  # Horovod timeline to <run_dir>/horovod_timeline.json
 
 
 @dataclass
@@ -391,7 +399,15 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
                           hint="set model.in_features = 64 and model.num_classes = 10")
     positive("data.samples", cfg.data.samples)
     positive("data.val_samples", cfg.data.val_samples, zero_ok=True)
-    positive("monitor.log_every", cfg.monitor.log_every)
+    m = cfg.monitor
+    positive("monitor.log_every", m.log_every)
+    choice("monitor.progress", m.progress, ("auto", "bar", "log", "off"))
+    positive("monitor.slow_rank_window", m.slow_rank_window)
+    for name in ("gather_every", "consistency_every", "slow_rank_min_seconds"):
+        positive(f"monitor.{name}", getattr(m, name), zero_ok=True)
+    if m.slow_rank_factor <= 1:
+        raise ConfigError(f"monitor.slow_rank_factor = {m.slow_rank_factor} must be > 1 (a ratio to the median rank)",
+                          hint="e.g. monitor.slow_rank_factor = 1.3")
     k = cfg.checkpoint
     choice("checkpoint.best_mode", k.best_mode, ("min", "max"))
     for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every"):

@@ -144,3 +144,24 @@ def test_monitor_on_one_rank_writes_metrics(tmp_path):
     assert records[4]["accuracy"] == 0.75
     text = out.getvalue()
     assert "step 4/8 epoch 0 loss" in text and "step 8/8" in text and "eval at step 8" in text
+
+
+def test_monitor_config_is_validated():
+    from hpctrain.config import TrainConfig, apply_override, validate
+    from hpctrain.errors import ConfigError
+
+    cfg = apply_override(TrainConfig(), "monitor.slow_rank_factor=1.5")
+    assert validate(cfg, need_data=False).monitor.slow_rank_factor == 1.5
+    for override, words in (("monitor.progress=bars", "did you mean monitor.progress = 'bar'"),
+                            ("monitor.slow_rank_factor=0.9", "must be > 1"),
+                            ("monitor.slow_rank_window=0", "must be > 0"),
+                            ("monitor.gather_every=-1", "must be >= 0")):
+        with pytest.raises(ConfigError, match=words):
+            validate(apply_override(TrainConfig(), override), need_data=False)
+    # every field is one the Monitor (or timeline_env) reads
+    from dataclasses import fields
+
+    from hpctrain.config import MonitorConfig
+    assert {f.name for f in fields(MonitorConfig)} == {
+        "log_every", "progress", "gather_every", "slow_rank_factor", "slow_rank_window",
+        "slow_rank_min_seconds", "consistency_every", "tensorboard", "horovod_timeline"}
