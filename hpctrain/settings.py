@@ -7,6 +7,8 @@ HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``        
 HPCTRAIN_RUN_ROOT          where run directories are created                    ./runs
 HPCTRAIN_LOG_LEVEL         logging level (DEBUG, INFO, WARNING)                 INFO
 HPCTRAIN_NO_ABORT          1: do not MPI_Abort on an unhandled exception        0
+HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone (no MPI-IO) 0
+HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step may run before the job is aborted     0 (off)
 =========================  ==================================================  =========
 
 Launcher variables (``OMPI_COMM_WORLD_*``, ``PMI_*``, ``SLURM_*``) are read by

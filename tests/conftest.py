@@ -3,3 +3,29 @@ import sys
 
 # The harness modules (mpi_harness, slurm_cluster) live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# ---------------------------------------------------------------- Slurm
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster (munged, slurmctld, slurmd) for the whole session,
+    stopped afterwards, also when tests fail. Tests that use it are skipped, with the reason,
+    where Slurm cannot be installed or started."""
+    from slurm_cluster import start_or_reason
+
+    # Short path under /tmp: munge's socket path must fit in a Unix socket address.
+    directory = tempfile.mkdtemp(prefix="hpctrain-slurm-")
+    cluster, reason = start_or_reason(directory)
+    if cluster is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.skip(f"no Slurm cluster: {reason}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,148 @@
+"""A real single-node Slurm cluster for the tests: started with scripts/slurm-cluster.sh
+under a temporary directory, used through the real sbatch/srun/scontrol/scancel, stopped
+afterwards. Every command has a timeout; every wait for a job has a deadline.
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from mpi_harness import ROOT, mpi_env
+
+SCRIPT = ROOT / "scripts" / "slurm-cluster.sh"
+# States after which a job will not run again by itself.
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+class SlurmUnavailable(Exception):
+    """Slurm could not be installed or started here; the reason says which."""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse_record(text):
+    """``Key=Value Key=Value ...`` (one line of ``scontrol -o`` or jobcomp/filetxt) -> dict."""
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+class SlurmCluster:
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self.conf = self.directory / "slurm.conf"
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, directory, timeout=420):
+        if os.geteuid() != 0:
+            raise SlurmUnavailable("needs root to run slurmd (it starts jobs as their owner)")
+        cluster = cls(directory)
+        env = dict(os.environ, SLURM_CTLD_PORT=str(_free_port()), SLURMD_PORT=str(_free_port()))
+        try:
+            proc = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], capture_output=True,
+                                  text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            cluster.stop()
+            raise SlurmUnavailable(f"{SCRIPT.name} start did not finish in {timeout}s")
+        if proc.returncode != 0:
+            cluster.stop()
+            raise SlurmUnavailable(f"{SCRIPT.name} start failed: {proc.stderr.strip()[-2000:]}")
+        return cluster
+
+    def stop(self):
+        subprocess.run(["bash", str(SCRIPT), "stop", str(self.directory)], capture_output=True,
+                       text=True, timeout=120)
+
+    # ------------------------------------------------------------------ commands
+    def env(self, extra=None):
+        """The environment for Slurm commands; jobs inherit it (sbatch exports it), so it
+        carries the Open MPI settings this machine needs (root, oversubscription, loopback)."""
+        env = mpi_env(extra)
+        env["SLURM_CONF"] = str(self.conf)
+        for name in [n for n in env if n.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_ARRAY"))]:
+            env.pop(name)  # never look like we are inside a job ourselves
+        return env
+
+    def run(self, args, timeout=60, env=None, check=True, cwd=None):
+        proc = subprocess.run([str(a) for a in args], capture_output=True, text=True,
+                              timeout=timeout, env=env or self.env(), cwd=cwd or ROOT)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}:\n"
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return proc
+
+    def sbatch(self, script, *args, options=(), env=None, cwd=None):
+        """Submit ``script`` with ``sbatch --parsable OPTIONS script ARGS``; returns the job id."""
+        proc = self.run(["sbatch", "--parsable", *options, script, *args], env=env, cwd=cwd)
+        return proc.stdout.strip().split(";")[0]
+
+    def job(self, job_id):
+        """``scontrol show job`` as a dict (``{}`` once the controller forgot the job)."""
+        proc = self.run(["scontrol", "-o", "show", "job", job_id], check=False, timeout=30)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return {}
+        return _parse_record(proc.stdout.splitlines()[0])
+
+    def jobs(self, job_id):
+        """Every job record (one per array task) for ``job_id``."""
+        proc = self.run(["scontrol", "-o", "show", "job", job_id], check=False, timeout=30)
+        return [_parse_record(line) for line in proc.stdout.splitlines() if line.strip()]
+
+    def completions(self, job_id):
+        """jobcomp/filetxt lines for ``job_id``: one per end of the job (also per requeue)."""
+        path = self.directory / "log" / "jobcomp.txt"
+        if not path.exists():
+            return []
+        records = [_parse_record(line) for line in path.read_text().splitlines()]
+        return [r for r in records if r.get("JobId") == str(job_id)]
+
+    def wait(self, job_id, timeout=300, poll=1.0):
+        """Wait until every task of ``job_id`` is in a final state; returns their records.
+
+        A requeued job passes through REQUEUED/PENDING and runs again, so those states are
+        not final. Fails the test (after cancelling the job) on timeout."""
+        deadline = time.monotonic() + timeout
+        records = []
+        while time.monotonic() < deadline:
+            records = self.jobs(job_id)
+            if records and all(r.get("JobState") in FINAL_STATES for r in records):
+                return records
+            time.sleep(poll)
+        self.run(["scancel", job_id], check=False)
+        raise AssertionError(f"Slurm job {job_id} did not finish in {timeout}s: "
+                             f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}\n"
+                             f"{self.log_tail()}")
+
+    def wait_for(self, predicate, timeout, what, poll=0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(poll)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.log_tail()}")
+
+    def log_tail(self, lines=30):
+        out = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.directory / "log" / name
+            if path.exists():
+                out.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-lines:]))
+        return "\n".join(out)
+
+
+def start_or_reason(directory):
+    """(cluster, None) or (None, why Slurm is unavailable here)."""
+    if not shutil.which("bash"):
+        return None, "bash not found"
+    try:
+        return SlurmCluster.start(directory), None
+    except SlurmUnavailable as exc:
+        return None, str(exc)
