@@ -1,0 +1,63 @@
+"""Train a tiny MLP on a fixed synthetic set; every rank saves its final parameters.
+
+    mpirun -n 2 python tests/mpi/train_tiny.py OUT_DIR [--stop-at STEP] [section.key=value ...]
+
+Writes OUT_DIR/rank<R>.npz (parameters, this rank's per-step losses) and, on rank 0,
+OUT_DIR/result.json (FitResult). The data and the model are the same on every launch, so
+runs with different rank counts, backends or compression can be compared.
+"""
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from hpctrain import ArrayDataset, Trainer, load_config
+
+
+def synthetic(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype(np.float32)
+    y = ((x[:, 0] + x[:, 1] > 0).astype(np.int64) + 2 * (x[:, 2] - x[:, 3] > 0)).astype(np.int64)
+    return ArrayDataset(x, y)
+
+
+class Record:
+    def __init__(self):
+        self.losses, self.phases = [], []
+
+    def on_step(self, state, metrics, phase_times):
+        self.losses.append(metrics["loss"])
+        self.phases.append(phase_times)
+
+
+def main(argv):
+    out, argv = argv[0], argv[1:]
+    stop_at = None
+    if argv[:1] == ["--stop-at"]:
+        stop_at, argv = int(argv[1]), argv[2:]
+    cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
+                             "train.batch_size=8", "train.lr=0.2", "train.epochs=1", "train.max_steps=12",
+                             "monitor.log_every=4", f"run.root={out}/runs", *argv])
+    record = Record()
+    trainer = Trainer(cfg, train_data=synthetic(512, 1), val_data=synthetic(128, 2), checkpoints=None,
+                      callbacks=[record])
+    if stop_at is not None:
+        # Only the last rank asks to stop: every rank must still stop after the same step.
+        trainer.stop_requested = lambda: (trainer.world.rank == trainer.world.size - 1
+                                          and trainer.state.progress.step >= stop_at)
+    result = trainer.fit()
+    rank = trainer.world.rank
+    params = {f"p{i}": p.detach().cpu().numpy() for i, p in enumerate(trainer.state.model.parameters())}
+    assert set(record.phases[0]) >= {"data", "forward_backward", "allreduce_wait", "optimizer", "checkpoint"}
+    np.savez(os.path.join(out, f"rank{rank}.npz"), losses=np.array(record.losses),
+             steps=np.array(trainer.state.progress.step), **params)
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(dataclasses.asdict(result), f)
+    return 3 if result.stopped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
