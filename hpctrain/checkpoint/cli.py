@@ -1,0 +1,172 @@
+"""``hpctrain ckpt``: list, inspect, verify and export checkpoints, in one process (no MPI).
+
+    hpctrain ckpt list RUN_DIR_OR_CKPT_DIR      step, time, size, metrics, valid
+    hpctrain ckpt inspect FILE                  metadata, trainer state, every dataset
+    hpctrain ckpt verify FILE                   exit 1 and name the dataset on corruption
+    hpctrain ckpt export FILE --to OUT.pt       a plain torch state dict (or .safetensors)
+"""
+import argparse
+import json
+import os
+import sys
+
+from ..errors import CheckpointError
+from . import format as fmt
+
+
+def _checkpoint_dir(path):
+    sub = os.path.join(path, "checkpoints")
+    return sub if os.path.isdir(sub) and not any(fmt.parse_step(n) is not None for n in os.listdir(path)) else path
+
+
+def _size(nbytes):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+
+
+def cmd_list(args):
+    from .manager import read_latest, scan
+    from .reader import read_header, verify_file
+
+    directory = _checkpoint_dir(args.directory)
+    if not os.path.isdir(directory):
+        print(f"hpctrain ckpt: {args.directory} is not a directory", file=sys.stderr)
+        return 2
+    found = scan(directory)
+    if not found:
+        print(f"no checkpoints in {directory}")
+        return 0
+    latest = read_latest(directory)
+    print(f"{directory}")
+    print(f"{'':2}{'step':>10}  {'created (UTC)':20}  {'size':>10}  {'valid':5}  metrics")
+    for step, name in sorted(found):
+        path = os.path.join(directory, name)
+        created, metrics = "?", ""
+        try:
+            h = read_header(path)
+            created = h.root_attrs.get("created", "?")
+            metrics = json.dumps(h.metrics, sort_keys=True) if h.metrics else ""
+        except CheckpointError:
+            pass
+        problems = [] if args.quick else verify_file(path)
+        valid = "?" if args.quick else ("yes" if not problems else "NO")
+        mark = "* " if name == latest else "  "
+        print(f"{mark}{step:>10}  {created:20}  {_size(os.path.getsize(path)):>10}  {valid:5}  {metrics}")
+        for p in problems[:3]:
+            print(f"{'':14}{p}")
+    print("(* = latest)")
+    return 0
+
+
+def cmd_inspect(args):
+    from .reader import read_header
+
+    h = read_header(args.file)
+    print(f"{args.file}")
+    for key in sorted(h.root_attrs):
+        if key in ("datasets",):
+            continue
+        print(f"  {key}: {h.root_attrs[key]}")
+    trainer = h.group_attrs.get(fmt.TRAINER, {})
+    print("trainer:")
+    for key in sorted(trainer):
+        print(f"  {key}: {trainer[key]}")
+    opt = h.group_attrs.get(fmt.OPTIMIZER, {})
+    print(f"optimizer: {opt.get('class', '?')}")
+    if args.verbose:
+        print(f"  param_groups: {opt.get('param_groups')}")
+    print(f"datasets ({len(h.datasets)}):")
+    total = 0
+    for name, (shape, dtype, attrs) in sorted(h.datasets.items()):
+        import numpy as np
+
+        nbytes = fmt.nbytes_of(shape, np.dtype(dtype).itemsize)
+        total += nbytes
+        print(f"  /{name}  {list(shape)}  {attrs.get(fmt.DTYPE_ATTR)}  {_size(nbytes)}  crc32={int(attrs[fmt.CRC_ATTR]):08x}")
+    print(f"total {_size(total)} in {len(h.datasets)} datasets")
+    return 0
+
+
+def cmd_verify(args):
+    from .reader import verify_file
+
+    problems = verify_file(args.file)
+    if problems:
+        print(f"{args.file}: INVALID", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok")
+    return 0
+
+
+def model_state_dict(path):
+    """The model tensors of checkpoint ``path`` as ``{name: torch.Tensor}`` (verified)."""
+    import h5py
+
+    from .reader import read_header, verify_file
+    from .snapshot import array_to_tensor
+
+    problems = verify_file(path)
+    if problems:
+        raise CheckpointError(f"{path} is damaged: " + "; ".join(problems[:5]))
+    h = read_header(path)
+    out = {}
+    with h5py.File(path, "r") as f:
+        for name, (_, _, attrs) in h.datasets.items():
+            if name.startswith(fmt.MODEL + "/"):
+                out[fmt.param_name(name.split("/", 1)[1])] = array_to_tensor(f[name][()], attrs[fmt.DTYPE_ATTR])
+    order = fmt.from_json(h.root_attrs.get("datasets", "[]"), "/ datasets")
+    rank = {fmt.param_name(p.split("/", 1)[1]): i for i, p in enumerate(order) if p.startswith(fmt.MODEL + "/")}
+    return dict(sorted(out.items(), key=lambda kv: rank.get(kv[0], 0)))
+
+
+def cmd_export(args):
+    sd = model_state_dict(args.file)
+    out = args.to
+    if out.endswith(".safetensors"):
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            print("hpctrain ckpt: exporting .safetensors needs the safetensors package "
+                  "(pip install safetensors); use a .pt path for a torch state dict", file=sys.stderr)
+            return 2
+        save_file({k: v.contiguous() for k, v in sd.items()}, out, metadata={"source": os.path.basename(args.file)})
+    else:
+        import torch
+
+        torch.save(sd, out)
+    print(f"wrote {len(sd)} tensors to {out}")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="hpctrain ckpt", description="Work with hpctrain checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("list", help="checkpoints of a run: step, time, size, metrics, valid")
+    p.add_argument("directory", help="a run directory or its checkpoints/ directory")
+    p.add_argument("--quick", action="store_true", help="skip checksum verification")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("inspect", help="metadata, trainer state and datasets of one checkpoint")
+    p.add_argument("file")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the optimizer's param groups")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every checksum; exit 1 naming a damaged dataset")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("export", help="write the model as a plain torch state dict (.pt) or .safetensors")
+    p.add_argument("file")
+    p.add_argument("--to", required=True, help="output path ending in .pt or .safetensors")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CheckpointError as exc:
+        print(f"hpctrain ckpt: error: {exc}", file=sys.stderr)
+        return 1

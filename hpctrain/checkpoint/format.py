@@ -1,0 +1,275 @@
+"""The checkpoint file format: names, layout, version, dtype encoding, checksums, and how
+datasets are shared out among ranks. Pure functions (numpy only): no MPI, no h5py, no torch
+at import time, so the fast unit tests and ``hpctrain ckpt`` on a login node can use them.
+
+The layout is documented in ``docs/checkpoint-format.md``; keep the two in step.
+"""
+import json
+import math
+import re
+import zlib
+
+from ..errors import CheckpointError
+
+FORMAT_NAME = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+# Versions this code can read. A newer writer bumps FORMAT_VERSION; old readers refuse it.
+READABLE_VERSIONS = (1,)
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+OPT_STATE = "optimizer/state"
+TRAINER = "trainer"
+RNG = "trainer/rng"
+
+LATEST = "latest"
+NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+TMP_MARK = ".tmp-"
+
+# Tensors of at least this many bytes are split along axis 0 across all ranks; smaller ones
+# go whole to the least-loaded rank. Below ~1 MiB one collective per rank costs more than
+# the bytes it would save.
+SPLIT_BYTES = 1 << 20
+
+CRC_ATTR = "crc32"
+DTYPE_ATTR = "dtype"
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The file is damaged or not a checkpoint this code can read (resume may fall back)."""
+
+
+def everywhere(exc):
+    """Mark an error that every rank raises alike (after an allgather or bcast), so that
+    ``coordination.abort_on_exception`` ends the ranks normally instead of aborting."""
+    exc.collective = True
+    return exc
+
+
+# ---------------------------------------------------------------- names
+
+def checkpoint_name(step):
+    """``ckpt-00000120.h5``: zero-padded so that names sort like steps."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"ckpt-{step:08d}.h5"
+
+
+def parse_step(name):
+    """Step of a checkpoint file name, or None if the name is not one (temp files are not)."""
+    match = NAME_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def temp_name(name, token):
+    return f"{name}{TMP_MARK}{token}"
+
+
+def param_key(name):
+    """HDF5 path component for a tensor name: dots are kept, '/' would make a group."""
+    return name.replace("/", "%2F")
+
+
+def param_name(key):
+    return key.replace("%2F", "/")
+
+
+# ---------------------------------------------------------------- dtypes
+# torch dtypes numpy has no type for are stored as raw bits of the same width, with the
+# real dtype in the dataset's ``dtype`` attribute.
+RAW_STORAGE = {
+    "bfloat16": "uint16",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2fnuz": "uint8",
+    "bool": "uint8",  # h5py would store numpy bool as an HDF5 enum; uint8 is plainer
+}
+
+
+def storage_dtype(torch_dtype_name):
+    """numpy dtype name used on disk for a torch dtype name (``"float32"``, ``"bfloat16"``)."""
+    return RAW_STORAGE.get(torch_dtype_name, torch_dtype_name)
+
+
+# ---------------------------------------------------------------- checksums
+# The checksum of a dataset is the standard CRC-32 (zlib.crc32) of its raw little-endian
+# bytes in C order, so anyone can check it with ``zlib.crc32(f[path][()].tobytes())``.
+# Ranks checksum their own slices; crc32_combine joins slices in order without the bytes.
+
+def _gf2_times(matrix, vector):
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(matrix):
+    return [_gf2_times(matrix, column) for column in matrix]
+
+
+def _zero_byte_operator():
+    # The raw CRC register update over zero bytes is linear in the register: read its
+    # 32 columns off zlib itself (its init/final xor cancels between the two calls).
+    base = zlib.crc32(b"\0", 0)
+    return [zlib.crc32(b"\0", 1 << i) ^ base for i in range(32)]
+
+
+_ZERO_POWERS = [_zero_byte_operator()]  # operator for 2**k zero bytes, k = index
+
+
+def _shift(crc, nbytes):
+    """The register ``crc`` advanced over ``nbytes`` zero bytes (O(log n))."""
+    k = 0
+    while nbytes:
+        while k >= len(_ZERO_POWERS):
+            _ZERO_POWERS.append(_gf2_square(_ZERO_POWERS[-1]))
+        if nbytes & 1:
+            crc = _gf2_times(_ZERO_POWERS[k], crc)
+        nbytes >>= 1
+        k += 1
+    return crc
+
+
+def crc32_combine(crc_a, crc_b, len_b):
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    return _shift(crc_a, len_b) ^ crc_b
+
+
+def combine_pieces(pieces):
+    """CRC-32 of a dataset from ``[(byte_offset, nbytes, crc)]`` pieces, in any order.
+
+    The pieces must tile the dataset's bytes exactly; a gap or overlap is a bug.
+    """
+    crc, expected = 0, 0
+    for offset, nbytes, piece_crc in sorted(pieces):
+        if offset != expected:
+            raise ValueError(f"pieces do not tile the dataset: gap or overlap at byte {expected}")
+        crc = crc32_combine(crc, piece_crc, nbytes) if nbytes else crc
+        expected = offset + nbytes
+    return crc
+
+
+def crc32_bytes(array):
+    """CRC-32 of a numpy array's bytes in C order (a copy only if it is not contiguous)."""
+    import numpy as np
+
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return zlib.crc32(flat)
+
+
+# ---------------------------------------------------------------- sharing out the work
+
+def row_bytes(shape, itemsize):
+    return itemsize * math.prod(shape[1:]) if shape else itemsize
+
+
+def nbytes_of(shape, itemsize):
+    return itemsize * math.prod(shape)
+
+
+def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
+    """Which rank handles which rows of which dataset.
+
+    ``specs``: ``[(shape, itemsize)]``, one per dataset, the same on every rank.
+    Returns one list per dataset of ``(rank, start_row, stop_row)`` pieces in row order.
+    Scalars are one piece ``(rank, 0, 1)``. Large tensors are split along axis 0 into
+    ``nranks`` nearly equal parts (empty parts are left out); small ones go whole to the
+    least-loaded rank (lowest rank on ties), so the result depends only on the arguments.
+    """
+    if nranks < 1:
+        raise ValueError(f"nranks must be >= 1, got {nranks}")
+    load = [0] * nranks
+    plan = [None] * len(specs)
+    for i, (shape, itemsize) in enumerate(specs):
+        size = nbytes_of(shape, itemsize)
+        if shape and size >= split_bytes and nranks > 1 and shape[0] > 1:
+            rows, pieces = shape[0], []
+            for rank in range(nranks):
+                start, stop = rows * rank // nranks, rows * (rank + 1) // nranks
+                if stop > start:
+                    pieces.append((rank, start, stop))
+                    load[rank] += (stop - start) * row_bytes(shape, itemsize)
+            plan[i] = pieces
+    for i, (shape, itemsize) in enumerate(specs):
+        if plan[i] is None:
+            rank = min(range(nranks), key=lambda r: (load[r], r))
+            load[rank] += nbytes_of(shape, itemsize)
+            plan[i] = [(rank, 0, shape[0] if shape else 1)]
+    return plan
+
+
+# ---------------------------------------------------------------- retention
+
+def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", milestone_every=0):
+    """Steps to keep among ``checkpoints`` = ``[(step, metric_or_None)]``.
+
+    Keeps the newest ``keep_last`` (0: keep all), the ``keep_best`` best by metric
+    (``best_mode`` "min" or "max"; newer wins ties; missing or NaN metrics never count),
+    and every step divisible by ``milestone_every`` (0: off). The newest is always kept.
+    """
+    if best_mode not in ("min", "max"):
+        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+    steps = sorted({step for step, _ in checkpoints}, reverse=True)
+    if not steps:
+        return set()
+    if keep_last <= 0:
+        return set(steps)
+    keep = set(steps[:keep_last]) | {steps[0]}
+    if keep_best > 0:
+        scored = [(metric, step) for step, metric in checkpoints
+                  if metric is not None and not (isinstance(metric, float) and math.isnan(metric))]
+        sign = 1 if best_mode == "min" else -1
+        scored.sort(key=lambda ms: (sign * ms[0], -ms[1]))
+        keep |= {step for _, step in scored[:keep_best]}
+    if milestone_every > 0:
+        keep |= {step for step in steps if step > 0 and step % milestone_every == 0}
+    return keep
+
+
+# ---------------------------------------------------------------- when to save
+
+def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_minutes=0.0,
+                on_epoch_end=True, on_finish=True, epoch_end=False, final=False, requested=False):
+    """Why to save now (``"requested"``, ``"final"``, ``"epoch_end"``, ``"steps"``, ``"time"``)
+    or None. Never twice for the same step."""
+    if step == last_saved_step:
+        return None
+    if requested:
+        return "requested"
+    if final and on_finish:
+        return "final"
+    if epoch_end and on_epoch_end:
+        return "epoch_end"
+    if every_steps > 0 and step % every_steps == 0:
+        return "steps"
+    if every_minutes > 0 and seconds_since_save >= every_minutes * 60.0:
+        return "time"
+    return None
+
+
+# ---------------------------------------------------------------- JSON attributes
+
+def to_json(value):
+    """JSON text for attribute values: tensors/arrays become lists, tuples lists, the rest
+    ``str``. Floats keep every bit (Python prints the shortest exact repr)."""
+    def default(obj):
+        if hasattr(obj, "tolist"):
+            return obj.tolist()
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj)
+        return str(obj)
+
+    return json.dumps(value, default=default, sort_keys=True, allow_nan=True)
+
+
+def from_json(text, what):
+    if isinstance(text, bytes):
+        text = text.decode()
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointCorrupt(f"attribute {what} is not valid JSON: {exc}") from exc

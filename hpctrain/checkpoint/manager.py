@@ -1,0 +1,469 @@
+"""When to save, what to call it, how it becomes durable, what to keep, where to resume.
+
+Every public call is collective: all ranks call it with the same arguments. Rank 0 makes
+the decisions (name, time, retention) through :func:`~hpctrain.coordination.on_root`, so
+every rank sees the same result or the same exception.
+
+A save goes: consistency check of the replicas -> rank 0 names ``ckpt-<step>.h5`` and a
+temp name -> every rank writes its share of the temp file -> re-read and compare checksums
+-> rank 0 fsyncs the file, renames it into place, fsyncs the directory, then replaces
+``latest`` the same way -> rank 0 deletes what retention no longer keeps. A failure at any
+point, on any rank, raises :class:`CheckpointError` on all ranks, removes the temp file and
+leaves the previous checkpoint and ``latest`` as they were.
+"""
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+
+from .. import settings
+from ..coordination import all_or_none, on_root
+from ..errors import CheckpointError, ConfigError
+from . import format as fmt
+from . import reader, snapshot, writer
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+
+# ---------------------------------------------------------------- files (rank 0 only)
+
+def fsync_path(path, directory=False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_rename(tmp, final):
+    """fsync the data, rename into place, fsync the directory entry."""
+    fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_path(os.path.dirname(final) or ".", directory=True)
+
+
+def write_latest(directory, name):
+    """Point ``latest`` at ``name``: write a temp file, fsync, rename (atomic on POSIX)."""
+    path = os.path.join(directory, fmt.LATEST)
+    tmp = fmt.temp_name(path, secrets.token_hex(4))
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    durable_rename(tmp, path)
+
+
+def read_latest(directory):
+    try:
+        with open(os.path.join(directory, fmt.LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return name if fmt.parse_step(name) is not None else None
+
+
+def scan(directory):
+    """``[(step, file name)]`` of the checkpoints in ``directory``, newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(fmt.parse_step(n), n) for n in names]
+    return sorted(((s, n) for s, n in found if s is not None), reverse=True)
+
+
+def _check_writable(directory):
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, fmt.temp_name(".probe", secrets.token_hex(4)))
+        with open(probe, "wb") as f:
+            f.write(b"0")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable ({exc})",
+                              hint="set checkpoint.directory to a writable place (on a cluster: "
+                                   "scratch, not $HOME), or fix its permissions") from exc
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+
+
+# ---------------------------------------------------------------- replicas
+
+def _model_checksums(model):
+    return [fmt.crc32_bytes(snapshot.tensor_to_array(t, copy=False)[0]) for t in model.state_dict().values()]
+
+
+def _bcast_array(array, comm, chunk=1 << 30):
+    from mpi4py import MPI
+
+    flat = array.reshape(-1).view(np.uint8)
+    for start in range(0, flat.nbytes, chunk):  # MPI counts are 32-bit
+        comm.Bcast([flat[start:start + chunk], MPI.BYTE], root=0)
+
+
+def check_consistency(model, comm, mode="check"):
+    """Collective: compare a checksum of every rank's model tensors with rank 0's.
+
+    ``"check"``: raise CheckpointError naming the ranks that diverged; ``"repair"``: copy
+    rank 0's tensors to every rank (with a warning); ``"off"``: do nothing.
+    """
+    if mode == "off" or comm.Get_size() == 1:
+        return
+    import torch
+
+    sums = comm.allgather(_model_checksums(model))
+    diverged = [r for r, s in enumerate(sums) if s != sums[0]]
+    if not diverged:
+        return
+    names = list(model.state_dict())
+    first = next(names[i] for i, (a, b) in enumerate(zip(sums[0], sums[diverged[0]])) if a != b)
+    ranks = ", ".join(map(str, diverged))
+    if mode == "repair":
+        if comm.Get_rank() == 0:
+            log.warning("ranks %s hold model tensors that differ from rank 0's (first: %s); "
+                        "copying rank 0's to every rank (checkpoint.consistency=repair)", ranks, first)
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                array, dtype = snapshot.tensor_to_array(tensor, copy=True)
+                _bcast_array(array, comm)
+                tensor.copy_(snapshot.array_to_tensor(array, dtype).to(tensor.device))
+        return
+    raise fmt.everywhere(CheckpointError(
+        f"ranks {ranks} hold model tensors that differ from rank 0's (first differing: {first}); "
+        f"the replicas have diverged, so no checkpoint was written",
+        hint="look for rank-dependent code in the model or a missed broadcast of the initial "
+             "parameters; checkpoint.consistency=repair copies rank 0's parameters instead"))
+
+
+# ---------------------------------------------------------------- one save, one load
+
+def _io_mode(comm):
+    forced = settings.get_bool("CKPT_SERIAL")
+    return not forced and writer.h5py_parallel(), forced
+
+
+def _prepare(final, comm, run_config, metrics, reason, step, parallel):
+    """Rank 0: check the directory, choose the temp name, gather metadata and RNG states."""
+    directory = os.path.dirname(final)
+    _check_writable(directory)
+    tmp = fmt.temp_name(final, f"{os.getpid()}-{secrets.token_hex(3)}")
+    nwriters = comm.Get_size() if parallel else 1
+    meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
+                                  "mpio" if parallel else "serial", nwriters)
+    return {"final": final, "tmp": tmp, "meta": meta, "rng": snapshot.rng_states()}
+
+
+def write_verified(snap, info, comm, parallel, verify):
+    """Collective: write the temp file and check it; remove it on any failure."""
+    tmp = info["tmp"]
+    try:
+        checksums = writer.write_file(tmp, snap, comm, parallel)
+        if verify:
+            expected = {e.path: c for e, c in zip(snap.entries, checksums)}
+            reader.verify_written(tmp, expected, comm, parallel)
+    except BaseException:
+        if comm.Get_rank() == 0:
+            _remove_quietly(tmp)
+        raise
+
+
+def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reason="manual",
+                    verify=True, consistency="check"):
+    """Collective: write ``state`` to the checkpoint file ``path`` (atomically: temp file,
+    checksums verified, fsync, rename). No ``latest`` pointer, no retention: see
+    :class:`CheckpointManager` for those.
+
+    >>> save_checkpoint("run/ckpt-00000100.h5", state, comm)   # doctest: +SKIP
+    """
+    comm = _comm(comm)
+    parallel, _ = _io_mode(comm)
+    path = os.path.abspath(path)
+    check_consistency(state.model, comm, consistency)
+    info = on_root(lambda: _prepare(path, comm, run_config, metrics, reason, state.progress.step, parallel), comm)
+    snap = snapshot.take_snapshot(state, info, copy=False)
+    write_verified(snap, info, comm, parallel, verify)
+
+    def commit():
+        try:
+            durable_rename(info["tmp"], path)
+        except OSError as exc:
+            _remove_quietly(info["tmp"])
+            raise CheckpointError(f"could not move {info['tmp']} to {path}: {exc}") from exc
+        return path
+
+    return on_root(commit, comm)
+
+
+def _comm(comm):
+    if comm is None:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    return getattr(comm, "comm", comm)  # a World is accepted too
+
+
+def load_checkpoint(path, state, comm=None, restore_rng=True):
+    """Collective: read checkpoint ``path`` into ``state`` (model, optimizer, progress) in
+    place, on any number of ranks. Every rank reads a share, checksums are verified, the
+    shares are exchanged. Raises :class:`CheckpointError` (a ``CheckpointCorrupt`` when the
+    file is damaged) on every rank, before anything in ``state`` changes.
+
+    >>> load_checkpoint("run/checkpoints/ckpt-00000100.h5", state)   # doctest: +SKIP
+    """
+    comm = _comm(comm)
+    parallel, _ = _io_mode(comm)
+
+    def header():
+        h = reader.read_header(path)
+        snapshot.check_model_against(state.model, h.datasets, path)
+        return h
+
+    h = on_root(header, comm)
+    arrays = reader.read_arrays(h, comm, parallel)
+    typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
+
+    def apply():
+        snapshot.restore(state, typed, h.group_attrs, path)
+        if restore_rng and comm.Get_rank() == 0:  # rank 0's generators, as saved
+            rng = h.group_attrs.get(fmt.RNG, {})
+            snapshot.set_rng_states({
+                "torch": arrays[f"{fmt.RNG}/torch"], "numpy_keys": arrays[f"{fmt.RNG}/numpy_keys"],
+                "numpy_meta": json.loads(rng["numpy_meta"]), "python": json.loads(rng["python"])})
+
+    all_or_none(apply, comm)
+    return h
+
+
+def verify_checkpoint(path):
+    """Check every checksum of ``path`` in this process alone. Returns the problems found,
+    each naming the dataset; an empty list means the file is valid.
+
+    >>> assert not verify_checkpoint("ckpt-00000100.h5")   # doctest: +SKIP
+    """
+    return reader.verify_file(path)
+
+
+# ---------------------------------------------------------------- the manager
+
+class CheckpointManager:
+    """Checkpoints of one run in ``directory``. All methods are collective.
+
+    >>> mgr = CheckpointManager(run_dir / "checkpoints", world, cfg.checkpoint, run_config)  # doctest: +SKIP
+    >>> mgr.resume(state)                                        # doctest: +SKIP
+    >>> for step in ...:
+    ...     mgr.maybe_save(state, epoch_end=..., metrics={"val_loss": 0.3})  # doctest: +SKIP
+    >>> mgr.maybe_save(state, final=True); mgr.close()           # doctest: +SKIP
+    """
+
+    def __init__(self, directory, world, cfg, run_config=None):
+        if cfg.best_mode not in ("min", "max"):
+            raise ConfigError(f"checkpoint.best_mode is {cfg.best_mode!r}; expected 'min' or 'max'")
+        if cfg.consistency not in ("check", "repair", "off"):
+            raise ConfigError(f"checkpoint.consistency is {cfg.consistency!r}; expected check, repair or off")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.world = world
+        self.comm = world.comm
+        self.cfg = cfg
+        self.run_config = run_config
+        self.parallel, forced = _io_mode(self.comm)
+        if not self.parallel and world.is_root and world.size > 1:
+            why = ("HPCTRAIN_CKPT_SERIAL=1" if forced else
+                   "h5py was built without MPI support (h5py.get_config().mpi is False)")
+            log.warning("%s: rank 0 writes and reads checkpoints alone (serial HDF5); "
+                        "build h5py with HDF5_MPI=ON (scripts/setup.sh) for parallel I/O", why)
+        self._last_step = None
+        self._last_time = time.monotonic()  # rank 0's clock is the one that counts
+        self._metric_cache = {}
+        self._thread = None
+        self._bg_error = None
+        self._bg_comm = None
+        self.last_path = None
+
+    # -- resume
+
+    def _candidates(self):
+        names = [n for _, n in scan(self.directory)]
+        latest = read_latest(self.directory)
+        if latest is not None and latest not in names:
+            log.warning("%s names %s, which does not exist; looking at the other checkpoints",
+                        os.path.join(self.directory, fmt.LATEST), latest)
+            latest = None
+        ordered = ([latest] if latest else []) + [n for n in names if n != latest]
+        return [os.path.join(self.directory, n) for n in ordered]
+
+    def resume(self, state):
+        """Load the checkpoint ``cfg.resume`` names into ``state``; True if one was loaded.
+
+        ``"auto"``: the one ``latest`` names, else the newest; one that fails verification
+        is skipped with a warning naming the problem. ``"none"``: start fresh. A path: that
+        file, no fallback.
+        """
+        mode = self.cfg.resume
+        if mode == "none":
+            return False
+        if mode != "auto":
+            load_checkpoint(os.path.abspath(mode), state, self.comm)
+            self._loaded(state)
+            return True
+        candidates = on_root(self._candidates, self.comm)
+        problems = []
+        for path in candidates:
+            try:
+                load_checkpoint(path, state, self.comm)
+            except fmt.CheckpointCorrupt as exc:
+                reason = str(exc).split("\nHINT:")[0]
+                problems.append(reason)
+                if self.world.is_root:
+                    log.warning("skipping checkpoint %s: %s; trying the previous one", path, reason)
+                continue
+            if problems and self.world.is_root:
+                log.warning("resumed from %s, an older checkpoint, because newer ones are damaged", path)
+            self._loaded(state)
+            return True
+        if problems:
+            raise fmt.everywhere(CheckpointError(
+                f"no valid checkpoint in {self.directory}:\n  " + "\n  ".join(problems),
+                hint="start fresh with checkpoint.resume=none, or name a file with checkpoint.resume=PATH"))
+        return False
+
+    def _loaded(self, state):
+        self._last_step = state.progress.step
+        self._last_time = time.monotonic()
+        if self.world.is_root:
+            log.info("resumed from step %d", state.progress.step)
+
+    # -- saving
+
+    def maybe_save(self, state, epoch_end=False, final=False, requested=False, metrics=None):
+        """Save if rank 0 says it is time; returns the path saved, or None."""
+        step = state.progress.step
+        reason = None
+        if self.world.is_root:
+            c = self.cfg
+            reason = fmt.save_reason(step, self._last_step, time.monotonic() - self._last_time,
+                                     c.every_steps, c.every_minutes, c.on_epoch_end, c.on_finish,
+                                     epoch_end, final, requested)
+        reason = self.comm.bcast(reason, root=0)
+        if reason is None:
+            return None
+        return self.save(state, reason=reason, metrics=metrics)
+
+    def save(self, state, reason="manual", metrics=None):
+        """Write a checkpoint of ``state`` now; returns its path. With ``cfg.async_save`` the
+        file is written in the background and is durable once the next save or
+        :meth:`close` returns."""
+        self.wait()
+        check_consistency(state.model, self.comm, self.cfg.consistency)
+        step = state.progress.step
+        final = os.path.join(self.directory, fmt.checkpoint_name(step))
+        info = on_root(lambda: _prepare(final, self.comm, self.run_config, metrics, reason, step, self.parallel),
+                       self.comm)
+        metric = (metrics or {}).get(self.cfg.best_metric)
+        background = self.cfg.async_save and self._threads_ok()
+        snap = snapshot.take_snapshot(state, info, copy=background)
+        if background:
+            self._last_step = step
+            if self._bg_comm is None:
+                self._bg_comm = self.comm.Dup()  # the writer's collectives never meet training's
+            self._thread = threading.Thread(target=self._background, args=(snap, info, metric),
+                                            name="hpctrain-checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write_commit(snap, info, metric, self.comm)
+            self._last_step = step
+        self._last_time = time.monotonic()
+        self.last_path = final
+        return final
+
+    def _threads_ok(self):
+        from mpi4py import MPI
+
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            return True
+        if self.world.is_root:
+            log.warning("checkpoint.async_save needs MPI_THREAD_MULTIPLE; this MPI gives level %d, "
+                        "saving synchronously", MPI.Query_thread())
+        return False
+
+    def _background(self, snap, info, metric):
+        try:
+            self._write_commit(snap, info, metric, self._bg_comm)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._bg_error = exc
+
+    def _write_commit(self, snap, info, metric, comm):
+        write_verified(snap, info, comm, self.parallel, self.cfg.verify)
+        on_root(lambda: self._commit(info, metric), comm)
+
+    def _commit(self, info, metric):
+        tmp, final = info["tmp"], info["final"]
+        try:
+            durable_rename(tmp, final)
+        except OSError as exc:
+            _remove_quietly(tmp)
+            raise CheckpointError(f"could not move {tmp} to {final}: {exc}",
+                                  hint="the previous checkpoint and `latest` are untouched") from exc
+        name = os.path.basename(final)
+        self._metric_cache[name] = metric
+        try:
+            write_latest(self.directory, name)
+        except OSError as exc:
+            raise CheckpointError(f"{final} was written, but {fmt.LATEST} could not be updated: {exc}",
+                                  hint="`latest` still names the previous checkpoint; resume=auto will "
+                                       "still find the new one by scanning") from exc
+        try:
+            self._retain()
+        except OSError as exc:  # the new checkpoint is safe; old ones stay a while longer
+            log.warning("retention: %s", exc)
+        return final
+
+    def _metric_of(self, name):
+        if name not in self._metric_cache:
+            try:
+                h = reader.read_header(os.path.join(self.directory, name))
+                self._metric_cache[name] = h.metrics.get(self.cfg.best_metric)
+            except CheckpointError:
+                self._metric_cache[name] = None
+        return self._metric_cache[name]
+
+    def _retain(self):
+        found = scan(self.directory)
+        c = self.cfg
+        need_metric = c.keep_best > 0
+        keep = fmt.select_keep([(s, self._metric_of(n) if need_metric else None) for s, n in found],
+                               c.keep_last, c.keep_best, c.best_mode, c.milestone_every)
+        latest = read_latest(self.directory)
+        for step, name in found:
+            if step not in keep and name != latest:
+                _remove_quietly(os.path.join(self.directory, name))
+                self._metric_cache.pop(name, None)
+                log.info("retention: removed %s", name)
+
+    def wait(self):
+        """Wait for a background save; raise its error (the same on every rank)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._bg_error = self._bg_error, None
+        if error is not None:
+            raise error
+
+    def close(self):
+        """Finish a background save and release the writer's communicator."""
+        try:
+            self.wait()
+        finally:
+            if self._bg_comm is not None:
+                self._bg_comm.Free()
+                self._bg_comm = None

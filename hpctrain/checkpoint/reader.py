@@ -1,0 +1,305 @@
+"""Reading and verifying checkpoint files.
+
+* :func:`read_header` (one process, serial h5py): format, version, the list of datasets
+  with shapes, dtypes and checksums, and every group's attributes.
+* :func:`read_arrays` (collective): each rank reads its share of every dataset, the
+  checksums are checked across ranks, then the shares are exchanged so that every rank
+  ends with every array. Works on any number of ranks, whatever number wrote the file.
+* :func:`verify_file` (one process): every checksum, for ``hpctrain ckpt verify``.
+"""
+import logging
+import math
+
+import numpy as np
+
+from ..errors import CheckpointError
+from . import format as fmt
+from .writer import agree, combine_checksums
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+EXCHANGE_BYTES = 64 << 20  # per rank per round: keeps MPI counts and buffers small
+VERIFY_BYTES = 64 << 20  # rows read at a time when only checksumming
+
+
+def _attr(value):
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+class Header:
+    """What a checkpoint holds, read without its data."""
+
+    def __init__(self, path, root_attrs, group_attrs, datasets):
+        self.path = path
+        self.root_attrs = root_attrs  # dict
+        self.group_attrs = group_attrs  # group path -> dict
+        self.datasets = datasets  # path -> (shape, numpy dtype str, attrs)
+
+    @property
+    def step(self):
+        return int(self.root_attrs.get("step", -1))
+
+    @property
+    def metrics(self):
+        return fmt.from_json(self.root_attrs.get("metrics", "{}"), "/ metrics")
+
+
+def read_header(path):
+    """Open ``path`` serially and check that it is a checkpoint this code can read.
+
+    Raises :class:`CheckpointCorrupt` naming the file and what is wrong.
+    """
+    import h5py
+
+    try:
+        f = h5py.File(path, "r")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint {path} does not exist",
+                              hint="check the path, or use checkpoint.resume=auto") from exc
+    except Exception as exc:  # truncated or not HDF5 at all
+        raise fmt.CheckpointCorrupt(f"{path} is not a readable HDF5 file ({type(exc).__name__}: {exc})",
+                                    hint="the file is damaged (a truncated or interrupted copy?); "
+                                         "use an earlier checkpoint") from exc
+    with f:
+        try:
+            root = {k: _attr(v) for k, v in f.attrs.items()}
+            if root.get("format") != fmt.FORMAT_NAME:
+                raise fmt.CheckpointCorrupt(
+                    f"{path} is not an hpctrain checkpoint (attribute format={root.get('format')!r}, "
+                    f"expected {fmt.FORMAT_NAME!r})")
+            version = root.get("format_version")
+            if version not in fmt.READABLE_VERSIONS:
+                raise fmt.CheckpointCorrupt(
+                    f"{path} has checkpoint format version {version}; this hpctrain reads "
+                    f"version(s) {', '.join(map(str, fmt.READABLE_VERSIONS))}",
+                    hint="read it with the hpctrain version that wrote it "
+                         f"(hpctrain {root.get('hpctrain_version', '?')})")
+            groups, datasets = {}, {}
+
+            def visit(name, obj):
+                attrs = {k: _attr(v) for k, v in obj.attrs.items()}
+                if isinstance(obj, h5py.Dataset):
+                    datasets[name] = (tuple(obj.shape), obj.dtype.str, attrs)
+                else:
+                    groups[name] = attrs
+
+            f.visititems(visit)
+        except fmt.CheckpointCorrupt:
+            raise
+        except Exception as exc:
+            raise fmt.CheckpointCorrupt(f"{path}: cannot read its structure ({type(exc).__name__}: {exc})",
+                                        hint="the file is damaged; use an earlier checkpoint") from exc
+    for required in (fmt.MODEL, fmt.OPTIMIZER, fmt.TRAINER):
+        if required not in groups:
+            raise fmt.CheckpointCorrupt(f"{path}: group /{required} is missing")
+    for name, (_, _, attrs) in datasets.items():
+        if fmt.CRC_ATTR not in attrs or fmt.DTYPE_ATTR not in attrs:
+            raise fmt.CheckpointCorrupt(f"{path}: dataset /{name} has no {fmt.CRC_ATTR} or {fmt.DTYPE_ATTR} attribute")
+    listed = fmt.from_json(root.get("datasets", "[]"), "/ datasets")
+    missing = [p for p in listed if p not in datasets]
+    if missing:
+        raise fmt.CheckpointCorrupt(f"{path}: dataset(s) missing: " + ", ".join("/" + p for p in missing[:20]),
+                                    hint="the file is damaged or was edited; use an earlier checkpoint")
+    if root.get("ndatasets") != len(datasets):
+        extra = sorted(set(datasets) - set(listed))
+        raise fmt.CheckpointCorrupt(
+            f"{path}: holds {len(datasets)} datasets but was written with {root.get('ndatasets')}"
+            + (f" (not written by hpctrain: {', '.join('/' + p for p in extra[:20])})" if extra else ""))
+    return Header(path, root, groups, datasets)
+
+
+def _flat(array):
+    return array.reshape(-1).view(np.uint8)
+
+
+def _stream_copy(views, offset, buf, into_buf):
+    """Copy between ``buf`` and bytes ``[offset, offset+len(buf))`` of the concatenation of
+    ``views`` (in either direction)."""
+    pos, lo, hi = 0, offset, offset + len(buf)
+    for view in views:
+        end = pos + view.nbytes
+        if end > lo and pos < hi:
+            a, b = max(lo, pos), min(hi, end)
+            if into_buf:
+                buf[a - lo:b - lo] = view[a - pos:b - pos]
+            else:
+                view[a - pos:b - pos] = buf[a - lo:b - lo]
+        pos = end
+        if pos >= hi:
+            break
+
+
+def exchange(arrays, plan, comm, round_bytes=EXCHANGE_BYTES):
+    """Every rank holds the pieces ``plan`` gives it; afterwards every rank holds all."""
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    streams = [[] for _ in range(size)]
+    for array, pieces in zip(arrays, plan):
+        rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
+        for r, start, stop in pieces:
+            streams[r].append(_flat(array)[start * rb:stop * rb])
+    lengths = [sum(v.nbytes for v in s) for s in streams]
+    rounds = max(math.ceil(n / round_bytes) for n in lengths)
+    for t in range(rounds):
+        counts = [max(0, min(round_bytes, n - t * round_bytes)) for n in lengths]
+        displs = [sum(counts[:r]) for r in range(size)]
+        send = np.empty(counts[rank], dtype=np.uint8)
+        _stream_copy(streams[rank], t * round_bytes, send, into_buf=True)
+        recv = np.empty(sum(counts), dtype=np.uint8)
+        comm.Allgatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
+        for r in range(size):
+            if r != rank and counts[r]:
+                _stream_copy(streams[r], t * round_bytes, recv[displs[r]:displs[r] + counts[r]], into_buf=False)
+
+
+def _read_pieces(f, paths, arrays, plan, rank):
+    """Read this rank's pieces into ``arrays``; return their checksums (and errors)."""
+    out, errors = [], []
+    for i, (path, array, pieces) in enumerate(zip(paths, arrays, plan)):
+        rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
+        for r, start, stop in pieces:
+            if r != rank:
+                continue
+            try:
+                dset = f[path]
+                if array.ndim and stop == start:
+                    out.append((i, 0, 0, 0))
+                    continue
+                if array.ndim == 0:
+                    dset.read_direct(array)
+                    part = array
+                else:
+                    dset.read_direct(array, np.s_[start:stop], np.s_[start:stop])
+                    part = array[start:stop]
+                out.append((i, start * rb, part.nbytes, fmt.crc32_bytes(part)))
+            except Exception as exc:
+                errors.append(f"reading /{path}: {type(exc).__name__}: {exc}")
+    return out, errors
+
+
+def _mismatches(path, paths, expected, found):
+    bad = [f"/{p}: stored crc32 {e:08x}, data has {c:08x}"
+           for p, e, c in zip(paths, expected, found) if e != c]
+    if bad:
+        raise fmt.everywhere(fmt.CheckpointCorrupt(f"{path}: checksum mismatch in {len(bad)} dataset(s):\n  " + "\n  ".join(bad[:20]),
+                                    hint="the file was damaged after it was written; use an earlier checkpoint"))
+
+
+def open_for_read(path, comm, parallel):
+    import h5py
+
+    if parallel:
+        return h5py.File(path, "r", driver="mpio", comm=comm)
+    return h5py.File(path, "r")
+
+
+def read_arrays(header, comm, parallel, keep=None, verify=True):
+    """Collective: every rank returns ``{path: array}`` for every dataset (or those ``keep``
+    accepts). Checksums are verified across ranks before anything is returned."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    paths = sorted(p for p in header.datasets if keep is None or keep(p))
+    arrays = [np.empty(header.datasets[p][0], dtype=np.dtype(header.datasets[p][1])) for p in paths]
+    nreaders = size if parallel else 1
+    plan = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nreaders)
+    sums, errors, f = [], [], None
+    if parallel or rank == 0:
+        try:
+            f = open_for_read(header.path, comm, parallel)
+            sums, errors = _read_pieces(f, paths, arrays, plan, rank)
+        except Exception as exc:
+            errors.append(f"opening: {type(exc).__name__}: {exc}")
+        finally:
+            if f is not None:
+                try:
+                    f.close()
+                except Exception as exc:
+                    errors.append(f"closing: {type(exc).__name__}: {exc}")
+    try:
+        agree(errors, comm, header.path, "reading")
+    except CheckpointError as exc:
+        raise fmt.everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
+    if verify:
+        found = combine_checksums(comm.allgather(sums), len(paths))
+        expected = [int(header.datasets[p][2][fmt.CRC_ATTR]) for p in paths]
+        _mismatches(header.path, paths, expected, found)
+    exchange(arrays, plan, comm)
+    return {p: a for p, a in zip(paths, arrays)}
+
+
+def _crc_rows(dset, start, stop, shape, dtype):
+    """CRC-32 of rows [start, stop) read a block at a time (memory stays bounded)."""
+    rb = fmt.row_bytes(shape, dtype.itemsize)
+    if len(shape) == 0:
+        return fmt.crc32_bytes(dset[()]), dtype.itemsize
+    block = max(1, VERIFY_BYTES // max(1, rb))
+    crc, total = 0, 0
+    for a in range(start, stop, block):
+        b = min(stop, a + block)
+        part = dset[a:b]
+        crc = fmt.crc32_combine(crc, fmt.crc32_bytes(part), part.nbytes)
+        total += part.nbytes
+    return crc, total
+
+
+def verify_written(path, expected, comm, parallel):
+    """Collective: re-read ``path`` (each rank its share) and compare with ``expected``
+    (``{dataset path: crc}``). The same CheckpointError on every rank on a mismatch."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    paths = sorted(expected)
+    nreaders = size if parallel else 1
+    sums, errors, f = [], [], None
+    if parallel or rank == 0:
+        try:
+            f = open_for_read(path, comm, parallel)
+            shapes = [(f[p].shape, f[p].dtype) for p in paths]
+            plan = fmt.plan_pieces([(s, d.itemsize) for s, d in shapes], nreaders)
+            for i, (p, (shape, dtype), pieces) in enumerate(zip(paths, shapes, plan)):
+                rb = fmt.row_bytes(shape, dtype.itemsize)
+                for r, start, stop in pieces:
+                    if r == rank:
+                        crc, nbytes = _crc_rows(f[p], start, stop, shape, dtype)
+                        sums.append((i, start * rb, nbytes, crc))
+        except Exception as exc:
+            errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
+        finally:
+            if f is not None:
+                try:
+                    f.close()
+                except Exception as exc:
+                    errors.append(f"closing: {type(exc).__name__}: {exc}")
+    agree(errors, comm, path, "verifying")
+    found = combine_checksums(comm.allgather(sums), len(paths))
+    _mismatches(path, paths, [expected[p] for p in paths], found)
+
+
+def verify_file(path):
+    """Check one file serially; returns a list of problems (empty: valid)."""
+    import h5py
+
+    try:
+        header = read_header(path)
+    except CheckpointError as exc:
+        return [str(exc).split("\nHINT:")[0]]
+    problems = []
+    try:
+        with h5py.File(path, "r") as f:
+            for name, (shape, dtype, attrs) in sorted(header.datasets.items()):
+                try:
+                    dset = f[name]
+                    crc, _ = _crc_rows(dset, 0, shape[0] if shape else 1, shape, np.dtype(dtype))
+                except Exception as exc:
+                    problems.append(f"/{name}: cannot be read ({type(exc).__name__}: {exc})")
+                    continue
+                if crc != int(attrs[fmt.CRC_ATTR]):
+                    problems.append(f"/{name}: checksum mismatch (stored crc32 {int(attrs[fmt.CRC_ATTR]):08x}, "
+                                    f"data has {crc:08x})")
+    except Exception as exc:
+        problems.append(f"{path}: {type(exc).__name__}: {exc}")
+    return problems

@@ -1,0 +1,149 @@
+"""Fast, single-process tests of the checkpoint format's pure logic: names, checksums and
+their combination, the sharing-out of datasets among ranks, retention, when to save."""
+import math
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from hpctrain.checkpoint import format as fmt
+
+
+def test_names_sort_like_steps_and_round_trip():
+    assert fmt.checkpoint_name(120) == "ckpt-00000120.h5"
+    assert fmt.parse_step("ckpt-00000120.h5") == 120
+    assert fmt.parse_step(fmt.checkpoint_name(123456789)) == 123456789
+    names = [fmt.checkpoint_name(s) for s in (5, 40, 300, 2000)]
+    assert sorted(names) == names
+    for not_one in ("latest", "ckpt-00000120.h5.tmp-1-ab", "ckpt-12.h5", "ckpt-00000012.pt", ".probe"):
+        assert fmt.parse_step(not_one) is None
+    assert fmt.parse_step(fmt.temp_name("ckpt-00000001.h5", "x")) is None
+    with pytest.raises(ValueError):
+        fmt.checkpoint_name(-1)
+
+
+def test_param_keys_keep_dots_and_escape_slashes():
+    assert fmt.param_key("layers.0.weight") == "layers.0.weight"
+    assert fmt.param_name(fmt.param_key("a/b.c")) == "a/b.c"
+    assert "/" not in fmt.param_key("a/b")
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [5, 7], [1000, 0, 3, 1 << 16], [13] * 9])
+def test_crc32_combine_equals_crc_of_concatenation(sizes):
+    rng = random.Random(len(sizes))
+    parts = [bytes(rng.getrandbits(8) for _ in range(n)) for n in sizes]
+    whole = b"".join(parts)
+    crc = 0
+    for p in parts:
+        crc = fmt.crc32_combine(crc, zlib.crc32(p), len(p))
+    assert crc == zlib.crc32(whole)
+
+
+def test_combine_pieces_any_order_and_rejects_gaps():
+    data = np.arange(1000, dtype=np.float32)
+    raw = data.tobytes()
+    cuts = [0, 4, 1000, 2000, 4000]
+    pieces = [(a, b - a, zlib.crc32(raw[a:b])) for a, b in zip(cuts, cuts[1:])]
+    assert fmt.combine_pieces(pieces[::-1]) == zlib.crc32(raw) == fmt.crc32_bytes(data)
+    with pytest.raises(ValueError):
+        fmt.combine_pieces(pieces[:1] + pieces[2:])
+
+
+def test_crc_of_non_contiguous_and_scalar_arrays():
+    a = np.arange(20, dtype=np.int64).reshape(4, 5)
+    assert fmt.crc32_bytes(a.T) == zlib.crc32(np.ascontiguousarray(a.T).tobytes())
+    s = np.array(3.5, dtype=np.float32)
+    assert fmt.crc32_bytes(s) == zlib.crc32(s.tobytes())
+
+
+def _coverage(plan, specs):
+    for (shape, _), pieces in zip(specs, plan):
+        rows = shape[0] if shape else 1
+        covered = []
+        for _, a, b in pieces:
+            covered.extend(range(a, b))
+        assert covered == list(range(rows))
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 7])
+def test_plan_tiles_every_dataset_once(nranks):
+    specs = [((10, 4), 4), ((), 8), ((3_000_000,), 4), ((1,), 2), ((600, 600), 4), ((0,), 4), ((5, 1 << 20), 1)]
+    plan = fmt.plan_pieces(specs, nranks)
+    _coverage(plan, specs)
+    assert plan == fmt.plan_pieces(specs, nranks)  # deterministic
+    for pieces in plan:
+        assert all(0 <= r < nranks for r, _, _ in pieces)
+
+
+def test_plan_splits_large_and_spreads_small():
+    specs = [((1 << 20,), 4)] + [((16,), 4)] * 8
+    plan = fmt.plan_pieces(specs, 4)
+    assert [r for r, _, _ in plan[0]] == [0, 1, 2, 3]
+    owners = [pieces[0][0] for pieces in plan[1:]]
+    assert sorted(set(owners)) == [0, 1, 2, 3] and all(len(p) == 1 for p in plan[1:])
+
+
+def test_plan_more_ranks_than_tensors_leaves_ranks_empty():
+    plan = fmt.plan_pieces([((3, 3), 4)], 4)
+    assert plan == [[(0, 0, 3)]]
+    # a large tensor with fewer rows than ranks: ranks without a row get nothing
+    plan = fmt.plan_pieces([((2, 1 << 20), 4)], 4)
+    assert len(plan[0]) == 2
+    _coverage(plan, [((2, 1 << 20), 4)])
+
+
+def test_select_keep_last_best_milestones():
+    ckpts = [(s, m) for s, m in [(100, 0.9), (200, 0.5), (300, 0.7), (400, 0.8), (500, 0.6), (600, 0.95)]]
+    assert fmt.select_keep(ckpts, keep_last=2) == {500, 600}
+    assert fmt.select_keep(ckpts, keep_last=0) == {100, 200, 300, 400, 500, 600}
+    assert fmt.select_keep(ckpts, keep_last=1, keep_best=2) == {600, 200, 500}
+    assert fmt.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max") == {600}
+    assert fmt.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max")
+    assert fmt.select_keep(ckpts, keep_last=1, milestone_every=200) == {200, 400, 600}
+    assert fmt.select_keep([], keep_last=3) == set()
+    # missing and NaN metrics never count as best; ties go to the newer
+    assert fmt.select_keep([(1, None), (2, math.nan), (3, 0.5), (4, 0.5), (5, 9.0)], 1, 1) == {5, 4}
+    with pytest.raises(ValueError):
+        fmt.select_keep(ckpts, best_mode="lowest")
+
+
+def test_save_reason():
+    r = lambda step, **kw: fmt.save_reason(step, kw.pop("last", None), kw.pop("secs", 0.0), **kw)  # noqa: E731
+    assert r(10, every_steps=5) == "steps"
+    assert r(11, every_steps=5) is None
+    assert r(10, every_steps=5, last=10) is None  # never twice for one step
+    assert r(3, every_minutes=1.0, secs=61) == "time"
+    assert r(3, every_minutes=1.0, secs=59) is None
+    assert r(3, epoch_end=True) == "epoch_end"
+    assert r(3, epoch_end=True, on_epoch_end=False) is None
+    assert r(3, final=True) == "final"
+    assert r(3, final=True, on_finish=False) is None
+    assert r(3, requested=True) == "requested"
+    assert r(0) is None
+
+
+def test_json_attributes_keep_floats_exact():
+    value = {"lr": 0.1 + 0.2, "betas": (0.9, 0.999), "none": None, "arr": np.arange(3)}
+    back = fmt.from_json(fmt.to_json(value), "x")
+    assert back["lr"] == 0.1 + 0.2 and back["betas"] == [0.9, 0.999] and back["arr"] == [0, 1, 2]
+    with pytest.raises(fmt.CheckpointCorrupt):
+        fmt.from_json("{nope", "x")
+
+
+def test_tensor_encoding_round_trips_every_dtype():
+    torch = pytest.importorskip("torch")
+    from hpctrain.checkpoint.snapshot import array_to_tensor, tensor_to_array
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
+                  torch.uint8, torch.bool):
+        t = (torch.randn(3, 5) * 10).to(dtype)
+        array, name = tensor_to_array(t, copy=True)
+        assert name == str(dtype).replace("torch.", "")
+        if dtype == torch.bfloat16:
+            assert array.dtype == np.uint16
+        back = array_to_tensor(array, name)
+        assert back.dtype == dtype and torch.equal(back, t)
+    scalar = torch.tensor(7.0)
+    array, name = tensor_to_array(scalar, copy=False)
+    assert array.shape == () and array_to_tensor(array, name).item() == 7.0
