@@ -200,6 +200,10 @@ class Monitor:
         self.acc[_PHASE0:_OTHER] += known
         self.acc[_OTHER] += other
         if self.is_root:
+            if self.last_step_end is None:
+                # the first interval starts when its first step did, not at construction
+                # (data loading, model build and broadcast come in between)
+                self.interval["start"] = now - float(phase_times.get("step") or wall)
             self._root_step(step, epoch, metrics, phase_times)
         if step % self.gather_every == 0:
             self._gather(step)
