@@ -165,3 +165,28 @@ def test_monitor_config_is_validated():
     assert {f.name for f in fields(MonitorConfig)} == {
         "log_every", "progress", "gather_every", "slow_rank_factor", "slow_rank_window",
         "slow_rank_min_seconds", "consistency_every", "tensorboard", "horovod_timeline"}
+
+
+def test_tensorboard_when_asked(tmp_path):
+    """Events when TensorBoard is installed; otherwise one warning and metrics.jsonl alone."""
+    pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    from hpctrain.state import TrainState
+
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        available = True
+    except ImportError:
+        available = False
+    out = io.StringIO()
+    monitor = Monitor(tmp_path, MPI.COMM_SELF, log_every=1, progress="log", tensorboard=True, stream=out)
+    state = TrainState(None, None)
+    state.progress.step = 1
+    monitor.on_step(state, {"loss": 0.5}, {"data": 0.001})
+    monitor.on_end(state)
+    assert (tmp_path / "metrics.jsonl").read_text().count('"kind": "train"') == 1
+    if available:
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    else:
+        assert "TensorBoard cannot be imported" in out.getvalue() and "pip install tensorboard" in out.getvalue()
