@@ -69,7 +69,7 @@ if [ -n "${HDF5_PKGCONFIG_NAME:-}" ]; then
 else
   HDF5_VERSION=$(grep -o 'define H5_VERSION "[^"]*"' "$HDF5_DIR/include/H5pubconf.h" | cut -d'"' -f2 || echo unknown)
 fi
-MPI_ID=$(mpirun --version 2>&1 | head -n1 | tr -cs 'A-Za-z0-9.' '-')
+MPI_ID=$(mpirun --version 2>&1 | head -n1 | tr -cs 'A-Za-z0-9.' '-' | sed 's/^-*//; s/-*$//')
 CUDA=cpu
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=cuda; fi
 say "MPI: $(command -v mpicc) ($MPI_ID); HDF5 $HDF5_VERSION; $CUDA"
@@ -86,7 +86,7 @@ PYVER=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
 
 pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
 
-pyok 'import torch' || { say "installing $TORCH_SPEC"; "${PIP[@]}" "$TORCH_SPEC"; }
+pyok 'import torch, numpy' || { say "installing $TORCH_SPEC and numpy"; "${PIP[@]}" "$TORCH_SPEC" numpy; }
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
 pyok 'import numpy, pytest, tqdm, matplotlib, cython, pkgconfig, setuptools' || {
   say "installing numpy, pytest, tqdm, matplotlib and build tools"
