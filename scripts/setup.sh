@@ -88,9 +88,9 @@ pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
 
 pyok 'import torch, numpy' || { say "installing $TORCH_SPEC and numpy"; "${PIP[@]}" "$TORCH_SPEC" numpy; }
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-pyok 'import numpy, pytest, tqdm, matplotlib, sklearn, cython, pkgconfig, setuptools' || {
-  say "installing numpy, pytest, tqdm, matplotlib and build tools"
-  "${PIP[@]}" numpy pytest tqdm matplotlib scikit-learn cython pkgconfig setuptools packaging psutil
+pyok 'import numpy, pytest, tqdm, matplotlib, sklearn, safetensors, cython, pkgconfig, setuptools' || {
+  say "installing numpy, pytest, tqdm, matplotlib, scikit-learn, safetensors and build tools"
+  "${PIP[@]}" numpy pytest tqdm matplotlib scikit-learn safetensors cython pkgconfig setuptools packaging psutil
 }
 
 # Build (or reuse) a wheel of a compiled package. $1 name, $2 cache key, $3.. build command
