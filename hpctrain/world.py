@@ -91,6 +91,26 @@ def launch_problems(info, mpi_rank, mpi_size):
     return problems
 
 
+# Set in each task by `srun --mpi=pmix` (PMIX_*) or `--mpi=pmi2` (PMI_*); absent with --mpi=none.
+PMI_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD")
+
+
+def problems_before_mpi(info, environ=None):
+    """Launch mistakes that make MPI_Init itself fail, so they must be caught before it (pure).
+
+    Verified with Open MPI 4.1 under Slurm 22.05: a task of a plain `srun` step (no PMI
+    plug-in) dies inside MPI_Init ("direct launched using srun, but OMPI was not built with
+    SLURM's PMI support"), whatever the task count; the size check below never runs.
+    """
+    env = os.environ if environ is None else environ
+    if info.launcher == "srun" and not any(name in env for name in PMI_VARIABLES):
+        return [
+            f"started by srun (Slurm job {info.slurm_job_id}, {info.size or 1} task(s)) without an MPI "
+            f"plug-in: MPI cannot form the job from this step.\n"
+            f"HINT: launch with `srun --mpi=pmix ...` (see `srun --mpi=list`), or use mpirun inside the allocation"]
+    return []
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job. ``comm`` is the mpi4py communicator."""
@@ -139,6 +159,8 @@ def init_world(comm=None, pin=True, check=True):
     Raises :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree.
     """
     info = launch_info()
+    if check and problems_before_mpi(info):
+        raise LaunchError("\n".join(problems_before_mpi(info)))
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm

@@ -1,0 +1,74 @@
+"""The run directory lock (pure file logic, real processes); the same between two real
+Slurm jobs is in test_slurm.py."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hpctrain import runlock
+from hpctrain.errors import HpctrainError
+
+
+def _holder(run_dir, seconds):
+    """Another live process that takes the lock and keeps it."""
+    code = ("import sys, time; from hpctrain import runlock; runlock.acquire(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(seconds)],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, SLURM_JOB_ID=""))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_acquire_release(tmp_path):
+    run_dir = tmp_path / "run"
+    path = runlock.acquire(str(run_dir))
+    holder = json.loads(open(path).read())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    runlock.release(path)
+    assert not os.path.exists(path)
+
+
+def test_live_holder_refuses_a_second_run(tmp_path):
+    proc = _holder(tmp_path, 30)
+    try:
+        with pytest.raises(runlock.RunDirBusy) as info:
+            runlock.acquire(str(tmp_path), environ={})
+        text = str(info.value)
+        assert f"run directory {tmp_path} is in use by pid {proc.pid} on {socket.gethostname()}" in text
+        assert "HINT: give this run its own directory" in text
+        assert isinstance(info.value, HpctrainError)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_lock_of_a_killed_process_is_taken_over(tmp_path):
+    proc = _holder(tmp_path, 30)
+    proc.kill()  # as a job killed with SIGKILL leaves its lock behind
+    proc.wait(timeout=10)
+    path = runlock.acquire(str(tmp_path), environ={})
+    assert json.loads(open(path).read())["pid"] == os.getpid()
+
+
+def test_same_slurm_job_takes_over_its_own_lock(tmp_path):
+    # a requeued job restarts on another node, under the same job id
+    lock = tmp_path / runlock.LOCK_NAME
+    lock.write_text(json.dumps({"slurm_job": "41_2", "host": "othernode", "pid": 1, "started": "x"}))
+    env = {"SLURM_JOB_ID": "99", "SLURM_ARRAY_JOB_ID": "41", "SLURM_ARRAY_TASK_ID": "2"}
+    runlock.acquire(str(tmp_path), environ=env)
+    assert json.loads(lock.read_text())["slurm_job"] == "41_2"
+    # a different job, on a host where the pid cannot be checked: refused
+    lock.write_text(json.dumps({"slurm_job": "41_3", "host": "othernode", "pid": 1, "started": "x"}))
+    with pytest.raises(runlock.RunDirBusy, match="Slurm job 41_3, pid 1 on othernode"):
+        runlock.acquire(str(tmp_path), environ=env)
+
+
+def test_hold_releases_on_error(tmp_path):
+    with pytest.raises(RuntimeError):
+        with runlock.hold(str(tmp_path)):
+            assert (tmp_path / runlock.LOCK_NAME).exists()
+            raise RuntimeError("boom")
+    assert not (tmp_path / runlock.LOCK_NAME).exists()
