@@ -8,6 +8,7 @@ one rank's failure becomes the same :class:`CheckpointError` on all, never a han
 """
 import errno
 import logging
+import os
 
 import numpy as np
 
@@ -24,6 +25,8 @@ LIBVER = ("v108", "v108")
 # Test hook: {"rank": r, "path": dataset path} makes rank r fail that dataset's write with
 # ENOSPC, as a full disk would, while still taking part in the collective.
 FAULT = None
+
+_UNCLOSABLE = []
 
 
 def h5py_parallel():
@@ -162,18 +165,44 @@ def write_parallel(path, snap, comm):
                         dset[start:stop] = entry.array[start:stop]
             except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
                 errors.append(f"writing /{entry.path}: {_describe(exc)}")
-        try:
-            f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
-        except Exception as exc:
-            errors.append(f"flushing: {_describe(exc)}")
+        failed = bool(comm.allreduce(len(errors)))
+        if failed and rank == 0:
+            # The file is garbage now. Truncating it gives back the space a full disk
+            # needs for the metadata that closing writes; a close that fails leaves
+            # HDF5 in a state that crashes the process later.
+            try:
+                os.truncate(path, 0)
+            except OSError:
+                pass
+        comm.Barrier()
+        if not failed:
+            try:
+                f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
+            except Exception as exc:
+                errors.append(f"flushing: {_describe(exc)}")
     finally:
         if f is not None:
             try:
                 f.close()
             except Exception as exc:
                 errors.append(f"closing: {_describe(exc)}")
+                _UNCLOSABLE.append(f)  # never let HDF5 free it again (see above)
+    if errors:
+        errors.append(_space_note(path, snap.nbytes))
     agree(errors, comm, path, "writing")
     return checksums
+
+
+def _space_note(path, needed):
+    """HDF5 reports a full disk as "file write failed" without errno: say it in words."""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+    except OSError:
+        return "could not ask the file system for its free space"
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        return f"No space left on device: {free} bytes free, the checkpoint needs {needed}"
+    return f"{free} bytes free on the file system, the checkpoint needs {needed}"
 
 
 def write_serial(path, snap):

@@ -26,14 +26,13 @@ def train_step(state, world):
     state.optimizer.zero_grad()
     loss.backward()
     for p in state.model.parameters():  # average gradients across ranks
-        grad = p.grad.float().numpy() if p.grad.dtype == torch.bfloat16 else p.grad.numpy()
-        grad = np.ascontiguousarray(grad)
+        grad = np.ascontiguousarray(p.grad.float().numpy())  # MPI has no fp16/bf16 type
         world.comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
         p.grad.copy_(torch.from_numpy(grad / world.size).to(p.grad.dtype))
     state.optimizer.step()
     state.progress.step = step + 1
     state.progress.samples_in_epoch += 4 * world.size
-    return float(loss)
+    return loss.item()
 
 
 def main(argv):
@@ -54,6 +53,7 @@ def main(argv):
                 print(f"RANK {world.rank} saved {os.path.basename(saved)}", flush=True)
         mgr.close()
         if world.rank == 0:
+            os.makedirs(directory, exist_ok=True)
             torch.save(cc.reference(state), os.path.join(directory, "final.pt"))
         print(f"RANK {world.rank} DONE step {state.progress.step}", flush=True)
 

@@ -1,0 +1,295 @@
+"""Checkpoint scenarios under a real mpirun: retention, failures, damaged files, async.
+
+    mpirun -n 2 python tests/mpi/ckpt_scenarios.py DIR SCENARIO [SCENARIO ...] [--tmpfs PATH] [--ro PATH]
+
+Every scenario prints ``RANK r <scenario> OK ...`` on every rank when it behaved as expected,
+and every expected error as ``RANK r <scenario> ERROR: <message>``, so the test can check
+each rank's output. ``exit_corrupt`` lets the error end the job (non-zero exit status).
+"""
+import glob
+import os
+import sys
+
+import h5py
+import numpy as np
+import torch
+
+import ckpt_common as cc
+from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
+from hpctrain.coordination import abort_on_exception
+from hpctrain.errors import CheckpointError
+
+W = None  # the World
+OPTS = {}
+
+
+def say(name, text):
+    print(f"RANK {W.rank} {name} {text}", flush=True)
+
+
+def expect_error(name, fn, *needles):
+    """Run fn (collective); it must raise CheckpointError containing every needle."""
+    try:
+        fn()
+    except CheckpointError as exc:
+        text = str(exc)
+        for needle in needles:
+            assert needle in text, f"{name}: {needle!r} not in error:\n{text}"
+        say(name, "ERROR: " + text.replace("\n", " | "))
+        return exc
+    raise AssertionError(f"{name}: no CheckpointError raised")
+
+
+def root_only(fn):
+    if W.rank == 0:
+        fn()
+    W.comm.Barrier()
+
+
+def fresh_dir(name):
+    path = os.path.join(OPTS["dir"], name)
+    root_only(lambda: os.makedirs(path, exist_ok=True))
+    return path
+
+
+def read_latest(d):
+    with open(os.path.join(d, "latest")) as f:
+        return f.read().strip()
+
+
+def files(d):
+    return sorted(os.listdir(d))
+
+
+def saved_state(d, steps, cfg=None, **kw):
+    """A manager in d with checkpoints at ``steps`` (saving the same state, step relabelled)."""
+    state = cc.make_state(seed=3, **kw)
+    cc.step_once(state, 0)
+    mgr = CheckpointManager(d, W, cfg or cc.config(), {"scenario": d})
+    for s in steps:
+        state.progress.step = s
+        mgr.save(state, metrics={"val_loss": float(s)})
+    return mgr, state
+
+
+# ---------------------------------------------------------------- scenarios
+
+def retention():
+    d = fresh_dir("retention")
+    cfg = cc.config(every_steps=1, keep_last=2, keep_best=1, best_mode="min", milestone_every=4)
+    state = cc.make_state(seed=3)
+    mgr = CheckpointManager(d, W, cfg, None)
+    metric = {1: 5.0, 2: 4.0, 3: 0.5, 4: 3.0, 5: 6.0, 6: 7.0, 7: 2.0, 8: 8.0, 9: 9.0}
+    for step in range(9):
+        cc.step_once(state, step)  # progress.step becomes step + 1
+        assert mgr.maybe_save(state, metrics={"val_loss": metric[state.progress.step]})
+    assert mgr.maybe_save(state) is None  # never twice for one step
+    mgr.close()
+    kept = [f for f in files(d) if f.startswith("ckpt-")]
+    expected = [f"ckpt-{s:08d}.h5" for s in (3, 4, 8, 9)]  # best, milestones 4 and 8, last two
+    assert kept == expected, kept
+    assert read_latest(d) == "ckpt-00000009.h5"
+    say("retention", f"OK kept {' '.join(kept)}")
+
+
+def latest_failure():
+    d = fresh_dir("latest_failure")
+    mgr, state = saved_state(d, [1])
+    writer.FAULT = {"rank": 1, "path": "model/fc1.weight"}
+    state.progress.step = 2
+    try:
+        expect_error("latest_failure", lambda: mgr.save(state), "model/fc1.weight", "ckpt-00000002.h5.tmp-",
+                     "rank 1")
+    finally:
+        writer.FAULT = None
+    W.comm.Barrier()
+    assert read_latest(d) == "ckpt-00000001.h5"
+    assert files(d) == ["ckpt-00000001.h5", "latest"], files(d)  # no temp file left behind
+    state.progress.step = 3
+    mgr.save(state)
+    assert read_latest(d) == "ckpt-00000003.h5"
+    say("latest_failure", "OK latest kept after the failure, moved after the next success")
+
+
+def async_same():
+    d_sync, d_async = fresh_dir("sync"), fresh_dir("async")
+    state = cc.make_state(seed=4)
+    cc.step_once(state, 0)
+    state.progress.step = 5
+    sync = CheckpointManager(d_sync, W, cc.config(), {"x": 1})
+    sync.save(state, metrics={"val_loss": 1.0})
+    backgr = CheckpointManager(d_async, W, cc.config(async_save=True), {"x": 1})
+    backgr.save(state, metrics={"val_loss": 1.0})
+    cc.step_once(state, 5)  # training goes on (and changes every tensor) while it writes
+    backgr.close()
+    if W.rank == 0:
+        a, b = (h5py.File(os.path.join(x, "ckpt-00000005.h5"), "r") for x in (d_sync, d_async))
+        volatile = {"created", "created_unix"}
+        assert {k: v for k, v in a.attrs.items() if k not in volatile} == \
+            {k: v for k, v in b.attrs.items() if k not in volatile}
+
+        def compare(name, obj):
+            other = b[name]
+            assert dict(obj.attrs) == dict(other.attrs), name
+            if isinstance(obj, h5py.Dataset):
+                assert obj[()].tobytes() == other[()].tobytes(), name
+
+        a.visititems(compare)
+        assert sorted(a) == sorted(b)
+        a.close()
+        b.close()
+    W.comm.Barrier()
+    say("async_same", "OK async file equals sync file")
+
+
+def _flip_byte(path, dataset, where=10):
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset + where)
+        byte = f.read(1)
+        f.seek(offset + where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def corrupt_fallback():
+    d = fresh_dir("corrupt")
+    saved_state(d, [1, 2])
+    bad = os.path.join(d, "ckpt-00000002.h5")
+    root_only(lambda: _flip_byte(bad, "model/fc1.weight"))
+    problems = verify_checkpoint(bad)
+    assert problems and "/model/fc1.weight" in problems[0], problems
+    state = cc.make_state(seed=8)
+    expect_error("corrupt_fallback", lambda: load_checkpoint(bad, state, W.comm), "/model/fc1.weight",
+                 "checksum mismatch")
+    mgr = CheckpointManager(d, W, cc.config(resume="auto"), None)
+    assert mgr.resume(state) and state.progress.step == 1
+    say("corrupt_fallback", "OK resumed from step 1")
+
+
+def truncated():
+    d = fresh_dir("truncated")
+    saved_state(d, [1, 2])
+    bad = os.path.join(d, "ckpt-00000002.h5")
+    root_only(lambda: os.truncate(bad, os.path.getsize(bad) // 2))
+    state = cc.make_state(seed=8)
+    expect_error("truncated", lambda: load_checkpoint(bad, state, W.comm), bad)
+    mgr = CheckpointManager(d, W, cc.config(resume="auto"), None)
+    assert mgr.resume(state) and state.progress.step == 1
+    say("truncated", "OK resumed from step 1")
+
+
+def missing_dataset():
+    d = fresh_dir("missing")
+    saved_state(d, [1])
+    path = os.path.join(d, "ckpt-00000001.h5")
+
+    def remove():
+        with h5py.File(path, "r+") as f:
+            del f["optimizer/state/fc1.weight/exp_avg"]
+
+    root_only(remove)
+    state = cc.make_state(seed=8)
+    expect_error("missing_dataset", lambda: load_checkpoint(path, state, W.comm),
+                 "/optimizer/state/fc1.weight/exp_avg", "missing")
+    say("missing_dataset", "OK")
+
+
+def wrong_version():
+    d = fresh_dir("version")
+    saved_state(d, [1])
+    path = os.path.join(d, "ckpt-00000001.h5")
+
+    def bump():
+        with h5py.File(path, "r+") as f:
+            f.attrs["format_version"] = 99
+
+    root_only(bump)
+    state = cc.make_state(seed=8)
+    expect_error("wrong_version", lambda: load_checkpoint(path, state, W.comm), "format version 99")
+    say("wrong_version", "OK")
+
+
+def shape_mismatch():
+    d = fresh_dir("shape")
+    saved_state(d, [1])
+    state = cc.make_state(seed=8, hidden=12)
+    before = state.model.fc1.weight.clone()
+    mgr = CheckpointManager(d, W, cc.config(resume="auto"), None)
+    expect_error("shape_mismatch", lambda: mgr.resume(state), "fc1.weight", "(12, 8)", "(16, 8)")
+    assert torch.equal(before, state.model.fc1.weight)  # nothing changed
+    say("shape_mismatch", "OK")
+
+
+def unwritable():
+    blocker = os.path.join(OPTS["dir"], "a-file")
+    root_only(lambda: open(blocker, "w").close())
+    state = cc.make_state(seed=3)
+    mgr = CheckpointManager(os.path.join(blocker, "checkpoints"), W, cc.config(), None)
+    expect_error("unwritable", lambda: mgr.save(state), "not writable")
+    if OPTS.get("ro"):
+        mgr = CheckpointManager(OPTS["ro"], W, cc.config(), None)
+        expect_error("unwritable", lambda: mgr.save(state), "not writable", "Read-only")
+    say("unwritable", "OK")
+
+
+def disk_full():
+    d = os.path.join(OPTS["tmpfs"], "ckpts")
+    mgr, state = saved_state(d, [1])
+    state.progress.step = 2
+    expect_error("disk_full", lambda: mgr.save(state), "ckpt-00000002.h5.tmp-", "No space left")
+    W.comm.Barrier()
+    assert read_latest(d) == "ckpt-00000001.h5"
+    assert files(d) == ["ckpt-00000001.h5", "latest"], files(d)
+    assert not verify_checkpoint(os.path.join(d, "ckpt-00000001.h5"))
+    say("disk_full", "OK")
+
+
+def consistency():
+    d = fresh_dir("consistency")
+    state = cc.make_state(seed=3)
+    if W.rank == 1:
+        with torch.no_grad():
+            state.model.fc2.bias.add_(1e-3)
+    mgr = CheckpointManager(d, W, cc.config(), None)
+    expect_error("consistency", lambda: mgr.save(state), "ranks 1 ", "fc2.bias")
+    assert not glob.glob(os.path.join(d, "ckpt-*"))
+    mgr = CheckpointManager(d, W, cc.config(consistency="repair"), None)
+    mgr.save(state)
+    mine = state.model.fc2.bias.detach().numpy().copy()
+    assert all(np.array_equal(mine, other) for other in W.comm.allgather(mine))
+    say("consistency", "OK repaired")
+
+
+def exit_corrupt():
+    d = fresh_dir("exit")
+    saved_state(d, [1])
+    bad = os.path.join(d, "ckpt-00000001.h5")
+    root_only(lambda: _flip_byte(bad, "optimizer/state/embed.weight/exp_avg", where=4000))
+    state = cc.make_state(seed=8)
+    try:
+        load_checkpoint(bad, state, W.comm)
+    except CheckpointError as exc:
+        say("exit_corrupt", "ERROR: " + str(exc).replace("\n", " | "))
+        raise
+    say("exit_corrupt", "NO ERROR")
+
+
+def main(argv):
+    global W
+    OPTS["dir"] = argv[0]
+    names = []
+    args = iter(argv[1:])
+    for a in args:
+        if a in ("--tmpfs", "--ro"):
+            OPTS[a[2:]] = next(args)
+        else:
+            names.append(a)
+    W = cc.world()
+    with abort_on_exception(W.comm):
+        for name in names:
+            globals()[name]()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
