@@ -187,7 +187,9 @@ def _write_atomically(path, write):
 
 def _split(f, name, x, y, **attrs):
     group = f.create_group(name)
-    group.create_dataset("x", data=x, chunks=(min(len(x), 1024),) + x.shape[1:])
+    # ~64 KiB chunks: a rank reading scattered samples touches little beyond them.
+    rows = max(1, min(len(x), 65536 // max(1, x[0].nbytes)))
+    group.create_dataset("x", data=x, chunks=(rows,) + x.shape[1:])
     group.create_dataset("y", data=y)
     group.attrs.update(attrs)
 

@@ -7,7 +7,6 @@ rank's parameters; launches are cached per configuration and shared between test
 import json
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -73,9 +72,8 @@ def test_every_rank_ends_with_bitwise_identical_parameters(backend, n, compressi
     for other in ranks[1:]:
         for a, b in zip(params(ranks[0]), params(other)):
             assert a.tobytes() == b.tobytes()
-    # They did train: rank 0's parameters moved away from a fresh model's (which differ by rank
-    # only through their local losses, so compare losses as well).
-    assert not np.array_equal(ranks[0]["losses"], ranks[1]["losses"])  # different shards per rank
+    # Identical although each rank saw different samples (its local losses differ).
+    assert not np.array_equal(ranks[0]["losses"], ranks[1]["losses"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -38,8 +38,8 @@ def main(argv):
     if argv[:1] == ["--stop-at"]:
         stop_at, argv = int(argv[1]), argv[2:]
     cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
-                             "train.batch_size=8", "train.lr=0.2", "train.epochs=1", "train.max_steps=12",
-                             "monitor.log_every=4", f"run.root={out}/runs", *argv])
+                             "train.batch_size=8", "train.lr=0.3", "train.momentum=0.9", "train.epochs=1",
+                             "train.max_steps=12", "monitor.log_every=4", f"run.root={out}/runs", *argv])
     record = Record()
     trainer = Trainer(cfg, train_data=synthetic(512, 1), val_data=synthetic(128, 2), checkpoints=None,
                       callbacks=[record])
