@@ -368,6 +368,16 @@ def _size(model):
 
 
 # ---------------------------------------------------------------- command line
+def _signal_flag():
+    """Slurm's warning signals (USR1, TERM) as a stop flag, when hpctrain.preemption is there."""
+    if importlib.util.find_spec("hpctrain.preemption") is None:
+        return None
+    from . import preemption
+
+    preemption.install()
+    return preemption.stop_requested
+
+
 def main(argv=None):
     """``hpctrain train CONFIG [section.key=value ...]``: 0 done, 3 stopped on request, 2 bad input."""
     parser = argparse.ArgumentParser(
@@ -384,7 +394,7 @@ def main(argv=None):
         world = init_world()
     with abort_on_exception(world.comm, where=world.node):
         cfg = all_or_none(lambda: load_config(args.config, args.overrides), world.comm)
-        result = Trainer(cfg, world=world).fit()
+        result = Trainer(cfg, world=world, stop_requested=_signal_flag()).fit()
     if world.is_root:
         print(f"run directory: {result.run_dir}", flush=True)
     return STOP_EXIT_CODE if result.stopped else 0

@@ -4,6 +4,8 @@
 Simpler than Horovod: the all-reduce starts after the last backward pass instead of
 overlapping with it. Needs nothing beyond mpi4py, so it runs wherever hpctrain does.
 """
+import warnings
+
 import numpy as np
 
 from ..compression import get_compressor
@@ -16,10 +18,17 @@ FUSION_BYTES = 64 * 2 ** 20
 
 def _fp16_sum(inbuf, inoutbuf, datatype):
     # MPI has no float16 type: the buffers travel as 16-bit integers, summed here as float16.
-    a = np.frombuffer(inbuf, dtype=np.float16)
+    # torch, not numpy: numpy's float16 arithmetic is scalar code, ~40x slower, and this
+    # runs on every received segment.
+    import torch
+
     b = np.frombuffer(inoutbuf, dtype=np.float16)
-    with np.errstate(over="ignore"):  # inf is the answer then (a GradScaler skips the step)
-        np.add(a, b, out=b)
+    if not b.size:
+        return
+    a = np.frombuffer(inbuf, dtype=np.float16)
+    with warnings.catch_warnings():  # a read-only inbuf is fine: it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(b).add_(torch.from_numpy(a))  # overflow gives inf (a GradScaler skips the step)
 
 
 def _buckets(params, limit):
@@ -37,6 +46,15 @@ def _buckets(params, limit):
     return buckets
 
 
+def _views(flat, params):
+    """Consecutive pieces of ``flat`` shaped like ``params``."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        yield flat[offset:offset + n].view(p.shape)
+        offset += n
+
+
 class MPIBackend(Backend):
     name = "mpi"
 
@@ -49,6 +67,7 @@ class MPIBackend(Backend):
         self.compressor = get_compressor(compression)
         self._fp16_op = None
         self._buckets = []
+        self._flat = []  # per bucket: its persistent fused buffers
 
     # ---- gradients
     def distributed_optimizer(self, optimizer, model, accumulation=1):
@@ -56,6 +75,7 @@ class MPIBackend(Backend):
         # them across ranks once per step, so accumulation needs nothing more here.
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._buckets = _buckets(params, FUSION_BYTES)
+        self._flat = [{} for _ in self._buckets]
         return optimizer
 
     def broadcast_state(self, model, optimizer, root=0):
@@ -74,25 +94,53 @@ class MPIBackend(Backend):
     def synchronize(self, optimizer):
         import torch
 
-        for bucket in self._buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.detach().reshape(-1) for g in grads])
-            if self.gradient_predivide_factor != 1.0:
-                flat.div_(self.gradient_predivide_factor)
+        with torch.no_grad():
+            for i, bucket in enumerate(self._buckets):
+                self._reduce_bucket(i, bucket)
+
+    def _buffer(self, i, kind, numel, dtype, device):
+        # Allocated once: a fresh buffer every step costs more in page faults than the
+        # copy itself (large CPU allocations go straight back to the OS).
+        import torch
+
+        buf = self._flat[i].get(kind)
+        if buf is None:
+            buf = self._flat[i][kind] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def _reduce_bucket(self, i, bucket):
+        import torch
+
+        numel = sum(p.numel() for p in bucket)
+        flat = self._buffer(i, "flat", numel, bucket[0].dtype, bucket[0].device)
+        # fp16 compression is a cast: done while copying the gradients in (and out), into
+        # a persistent half-size buffer, instead of in extra passes that allocate.
+        cast = self.compressor.name == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
+        wire = self._buffer(i, "wire", numel, torch.float16, flat.device) if cast else flat
+        for p, chunk in zip(bucket, _views(wire, bucket)):
+            if p.grad is None:
+                chunk.zero_()
+            elif self.gradient_predivide_factor != 1.0:
+                torch.div(p.grad, self.gradient_predivide_factor, out=chunk)
+            else:
+                chunk.copy_(p.grad)
+        ctx = None
+        if not cast:
             wire, ctx = self.compressor.compress(flat)
-            wire = wire.cpu()
-            self._allreduce_sum(wire)
-            flat = self.compressor.decompress(wire.to(flat.device), ctx)
-            flat.div_(self.size / self.gradient_predivide_factor)
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                chunk = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += n
+        host = wire.cpu()
+        self._allreduce_sum(host)
+        if host is not wire:
+            wire.copy_(host)
+        if cast:
+            flat.copy_(wire)
+        else:
+            flat = self.compressor.decompress(wire, ctx)
+        flat.div_(self.size / self.gradient_predivide_factor)
+        # The gradients become views of the reduced buffer instead of being copied back
+        # (as DDP's gradient_as_bucket_view); zero_grad() drops the views, and the next
+        # backward pass makes fresh gradients that are copied in above.
+        for p, chunk in zip(bucket, _views(flat, bucket)):
+            p.grad = chunk
 
     def _allreduce_sum(self, tensor):
         import torch

@@ -1,6 +1,6 @@
 """Train a tiny MLP on a fixed synthetic set; every rank saves its final parameters.
 
-    mpirun -n 2 python tests/mpi/train_tiny.py OUT_DIR [--stop-at STEP] [section.key=value ...]
+    mpirun -n 2 python tests/mpi/train_tiny.py OUT_DIR [--stop-at STEP] [--checkpoints] [section.key=value ...]
 
 Writes OUT_DIR/rank<R>.npz (parameters, this rank's per-step losses) and, on rank 0,
 OUT_DIR/result.json (FitResult). The data and the model are the same on every launch, so
@@ -34,14 +34,19 @@ class Record:
 
 def main(argv):
     out, argv = argv[0], argv[1:]
-    stop_at = None
-    if argv[:1] == ["--stop-at"]:
-        stop_at, argv = int(argv[1]), argv[2:]
+    stop_at, checkpoints = None, None
+    while argv and argv[0].startswith("--"):
+        if argv[0] == "--stop-at":
+            stop_at, argv = int(argv[1]), argv[2:]
+        elif argv[0] == "--checkpoints":  # hpctrain.checkpoint's manager, in <run.run_dir>/checkpoints
+            checkpoints, argv = "auto", argv[1:]
+        else:
+            raise SystemExit(f"unknown option {argv[0]}")
     cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
                              "train.batch_size=8", "train.lr=0.3", "train.momentum=0.9", "train.epochs=1",
                              "train.max_steps=12", "monitor.log_every=4", f"run.root={out}/runs", *argv])
     record = Record()
-    trainer = Trainer(cfg, train_data=synthetic(512, 1), val_data=synthetic(128, 2), checkpoints=None,
+    trainer = Trainer(cfg, train_data=synthetic(512, 1), val_data=synthetic(128, 2), checkpoints=checkpoints,
                       callbacks=[record])
     if stop_at is not None:
         # Only the last rank asks to stop: every rank must still stop after the same step.
