@@ -11,6 +11,7 @@ temp name -> every rank writes its share of the temp file -> re-read and compare
 point, on any rank, raises :class:`CheckpointError` on all ranks, removes the temp file and
 leaves the previous checkpoint and ``latest`` as they were.
 """
+import atexit
 import json
 import logging
 import os
@@ -376,6 +377,8 @@ class CheckpointManager:
             self._last_step = step
             if self._bg_comm is None:
                 self._bg_comm = self.comm.Dup()  # the writer's collectives never meet training's
+                # A run that ends without close() must not reach MPI_Finalize mid-write.
+                atexit.register(self._join)
             self._thread = threading.Thread(target=self._background, args=(snap, info, metric),
                                             name="hpctrain-checkpoint-writer", daemon=True)
             self._thread.start()
@@ -449,6 +452,10 @@ class CheckpointManager:
                 _remove_quietly(os.path.join(self.directory, name))
                 self._metric_cache.pop(name, None)
                 log.info("retention: removed %s", name)
+
+    def _join(self):
+        if self._thread is not None:
+            self._thread.join()
 
     def wait(self):
         """Wait for a background save; raise its error (the same on every rank)."""
