@@ -1,0 +1,86 @@
+"""Run a Python command (``-m hpctrain train ...`` or a script) with a failure injected
+on one rank, at a point counted in calls, so that tests can place it anywhere in a run:
+
+    FAIL_RANK=1 FAIL_AT=backward:12 FAIL_ACTION=kill \\
+        mpirun -n 2 python tests/mpi/fail_inject.py -m hpctrain train examples/digits.toml
+
+FAIL_AT=<point>:<n>: the n-th call (1-based) on that rank of
+    backward   torch.Tensor.backward (one per micro-batch: a point inside training)
+    h5write    a write into an HDF5 dataset (h5py Dataset.__setitem__): a point inside
+               a checkpoint write
+    replace    os.replace (rank 0 renames checkpoints and ``latest`` into place)
+FAIL_ACTION: kill (SIGKILL itself), raise (RuntimeError), sleep (hang for an hour).
+Without FAIL_AT the command runs unchanged. The job scripts can run this file in place of
+python: tests point HPCTRAIN_VENV at a directory whose bin/python execs it.
+"""
+import os
+import runpy
+import signal
+import sys
+import time
+
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def _rank():
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _act(action, where):
+    print(f"fail_inject: rank {_rank()}: {action} at {where}", file=sys.stderr, flush=True)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "sleep":
+        time.sleep(3600)
+    raise RuntimeError(f"injected failure at {where}")
+
+
+def _count_calls(owner, name, point, n, action):
+    original = getattr(owner, name)
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            _act(action, f"{point} call {n}")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    return calls
+
+
+def install(point, n, action):
+    if point == "backward":
+        import torch
+
+        _count_calls(torch.Tensor, "backward", point, n, action)
+    elif point == "h5write":
+        import h5py
+
+        # dset[...] = x: each rank's share of each tensor in a collective checkpoint write
+        _count_calls(h5py.Dataset, "__setitem__", point, n, action)
+    elif point == "replace":
+        _count_calls(os, "replace", point, n, action)
+    else:
+        raise SystemExit(f"fail_inject: unknown point {point!r}")
+
+
+def main():
+    spec = os.environ.get("FAIL_AT")
+    if spec and _rank() == int(os.environ.get("FAIL_RANK", "0")):
+        point, n = spec.split(":")
+        install(point, int(n), os.environ.get("FAIL_ACTION", "kill"))
+    args = sys.argv[1:]
+    if args[:1] == ["-m"]:
+        sys.argv = [args[1]] + args[2:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
