@@ -107,6 +107,23 @@ def _create_layout(f, snap, checksums):
     return dsets
 
 
+# Rows per collective write call: h5py holds the GIL for a whole call, so bounded calls
+# let the training thread run between them while a background save writes.
+CALL_BYTES = 32 << 20
+
+
+def _rows_per_call(array):
+    return max(1, CALL_BYTES // max(1, fmt.row_bytes(array.shape, array.dtype.itemsize)))
+
+
+def _calls(array, pieces):
+    """Collective calls for one dataset: the same number on every rank (from the plan)."""
+    if array.ndim == 0:
+        return 1
+    step = _rows_per_call(array)
+    return max(1, max(-(-(b - a) // step) for _, a, b in pieces))
+
+
 def _check_fault(path, rank):
     if FAULT and FAULT.get("rank") == rank and FAULT.get("path") == path:
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
@@ -153,18 +170,24 @@ def write_parallel(path, snap, comm):
                 _check_fault(entry.path, rank)
             except OSError as exc:
                 errors.append(f"writing /{entry.path}: {_describe(exc)}")
-                mine = []  # still enter the collective, with nothing
-            try:
-                with dset.collective:
-                    if not mine:
-                        _write_empty(dset)
-                    elif entry.array.ndim == 0:
-                        dset[()] = entry.array
-                    else:
-                        start, stop = mine[0]
-                        dset[start:stop] = entry.array[start:stop]
-            except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
-                errors.append(f"writing /{entry.path}: {_describe(exc)}")
+                mine = []  # still enter the collectives, with nothing
+            step = _rows_per_call(entry.array)
+            for call in range(_calls(entry.array, pieces)):
+                part = None
+                if mine:
+                    a, b = mine[0]
+                    lo, hi = a + call * step, min(b, a + (call + 1) * step)
+                    part = (lo, hi) if hi > lo or entry.array.ndim == 0 else None
+                try:
+                    with dset.collective:
+                        if part is None:
+                            _write_empty(dset)
+                        elif entry.array.ndim == 0:
+                            dset[()] = entry.array
+                        else:
+                            dset[part[0]:part[1]] = entry.array[part[0]:part[1]]
+                except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
+                    errors.append(f"writing /{entry.path}: {_describe(exc)}")
         failed = bool(comm.allreduce(len(errors)))
         if failed and rank == 0:
             # The file is garbage now. Truncating it gives back the space a full disk
