@@ -33,15 +33,16 @@ _runs = {}
 _scratch = tempfile.mkdtemp(prefix="hpctrain-train-mpi-")
 
 
-def train(n, backend, compression="none", batch=8, accumulation=1, stop_at=None):
+def train(n, backend, compression="none", batch=8, accumulation=1, stop_at=None, predivide=1.0):
     """Launch train_tiny.py on ``n`` ranks (cached); return (per-rank arrays, result, output)."""
-    key = (n, backend, compression, batch, accumulation, stop_at)
+    key = (n, backend, compression, batch, accumulation, stop_at, predivide)
     if key not in _runs:
         out = Path(_scratch) / f"run{len(_runs)}"
         out.mkdir()
         extra = ["--stop-at", str(stop_at)] if stop_at is not None else []
         overrides = [f"comm.backend={backend}", f"comm.compression={compression}",
-                     f"train.batch_size={batch}", f"train.accumulation={accumulation}"]
+                     f"train.batch_size={batch}", f"train.accumulation={accumulation}",
+                     f"comm.gradient_predivide_factor={predivide}"]
         result = mpirun(n, [TINY, out, *extra, *overrides], timeout=150)
         assert result.returncode == (3 if stop_at is not None else 0), result.output[-4000:]
         ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(n)]
@@ -102,6 +103,15 @@ def test_fp16_compression_final_loss_within_one_percent(backend):
     _, fp16, _ = train(2, backend, "fp16")
     assert abs(fp16["metrics"]["val_loss"] - exact["metrics"]["val_loss"]) <= 0.01 * exact["metrics"]["val_loss"]
     assert fp16["metrics"]["val_loss"] != exact["metrics"]["val_loss"]  # it did go through float16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_predivide_factor_changes_only_the_rounding(backend):
+    exact, _, _ = train(2, backend, "none")
+    split, _, _ = train(2, backend, "fp16", predivide=2.0)
+    assert max_diff(split[0], exact[0]) <= 2e-3
+    for a, b in zip(params(split[0]), params(split[1])):
+        assert a.tobytes() == b.tobytes()
 
 
 @needs_horovod

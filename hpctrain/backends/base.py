@@ -73,5 +73,5 @@ class Backend:
         """Release the backend's resources (idempotent)."""
 
     def describe(self):
-        return (f"{self.name} backend, {self.size} ranks, compression {self.compression}, "
+        return (f"{self.name} backend, compression {self.compression}, "
                 f"gradient_predivide_factor {self.gradient_predivide_factor:g}")
