@@ -37,6 +37,7 @@ from . import settings
 from .config import TrainConfig, load_config, validate
 from .coordination import abort_on_exception, all_or_none, any_rank, on_root
 from .errors import ConfigError
+from .monitor import Monitor, build_callbacks
 from .state import Progress, TrainState
 from .timing import PhaseTimer
 
@@ -130,12 +131,19 @@ class Trainer:
         total_steps = sampler.steps_per_epoch * t.epochs
         if t.max_steps:
             total_steps = min(total_steps, t.max_steps)
+        if cfg.monitor.horovod_timeline:
+            backend.start_timeline(os.path.join(run_dir, "horovod_timeline.json"))
+        callbacks = self.callbacks
+        if not any(isinstance(cb, Monitor) for cb in callbacks):
+            # Every rank builds it: the monitor gathers timings across ranks.
+            callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
+                                        samples_per_step=sampler.global_batch) + callbacks
+        self._callbacks = callbacks
         self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model "
                   f"{_size(model)}; global batch {sampler.global_batch} = {t.batch_size} x {world.size} "
                   f"ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; run dir {run_dir}")
 
         metrics, last_loss, stopped, evaluated_at = {}, None, False, None
-        window = []  # step times since the last progress line
         model.train()
         while progress.epoch < t.epochs and not stopped:
             for micro_batches in sampler.steps(progress.epoch, progress.samples_in_epoch, world.rank):
@@ -153,15 +161,12 @@ class Trainer:
                     metrics = fresh = self._evaluate(val, loss_fn, cfg, world)
                     evaluated_at = progress.step
                 with timer.phase("checkpoint"):
-                    if checkpoints is not None:
-                        checkpoints.maybe_save(state, metrics=fresh)
+                    saved = checkpoints.maybe_save(state, metrics=fresh) if checkpoints is not None else None
+                if saved:
+                    step_metrics["checkpoint"] = {"path": saved}
                 phase_times = timer.times()
-                window.append(phase_times)
-                for cb in self.callbacks:
+                for cb in callbacks:
                     _call(cb, "on_step", state, step_metrics, phase_times)
-                if progress.step % cfg.monitor.log_every == 0 or progress.step == total_steps:
-                    self._log_step(progress, total_steps, backend.allreduce_mean(last_loss), lr, window)
-                    window = []
 
                 # Agree at every step boundary, so all ranks save and stop after the same step.
                 if self.stop_requested is not None and any_rank(bool(self.stop_requested()), comm):
@@ -186,7 +191,7 @@ class Trainer:
             metrics = self._evaluate(val, loss_fn, cfg, world)
         if not stopped and checkpoints is not None:
             checkpoints.maybe_save(state, final=True, metrics=metrics or None)
-        for cb in self.callbacks:
+        for cb in callbacks:
             _call(cb, "on_end", state)
         if checkpoints is not None:
             checkpoints.close()
@@ -246,7 +251,7 @@ class Trainer:
         # Sums, not per-rank means: ranks may hold different numbers of samples.
         loss_sum, correct, count = self.backend.allreduce_mean(sums).tolist()
         metrics = {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
-        for cb in self.callbacks:
+        for cb in self._callbacks:
             _call(cb, "on_eval", self.state, metrics)
         return metrics
 
@@ -265,14 +270,6 @@ class Trainer:
     def _log(self, text):
         if self.world.is_root:
             print(f"hpctrain: {text}", flush=True)
-
-    def _log_step(self, progress, total_steps, loss, lr, window):
-        if not self.world.is_root or not window:
-            return
-        mean = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
-        phases = " ".join(f"{k} {1000 * v:.1f}" for k, v in mean.items() if k != "step")
-        print(f"step {progress.step}/{total_steps} epoch {progress.epoch} loss {loss:.4f} lr {lr:.3g} "
-              f"{1000 * mean['step']:.1f} ms/step (ms: {phases})", flush=True)
 
 
 # ---------------------------------------------------------------- pieces of fit()

@@ -82,7 +82,6 @@ def test_report_of_a_real_trainer_run(tmp_path):
     assert "steps: 24" in text and "checkpoints: 0" in text
 
 
-@pytest.mark.xfail(strict=True, reason="`hpctrain train` does not build the Monitor yet: remove this mark once it does")
 def test_report_of_an_hpctrain_train_run(tmp_path):
     from mpi_harness import hpctrain
 

@@ -69,6 +69,12 @@ class Backend:
     def barrier(self):
         raise NotImplementedError
 
+    def start_timeline(self, path):
+        """Record a communication timeline into ``path`` (Horovod's); others only warn."""
+        import warnings
+
+        warnings.warn(f"the {self.name} backend records no timeline; monitor.horovod_timeline ignored")
+
     def close(self):
         """Release the backend's resources (idempotent)."""
 

@@ -82,6 +82,10 @@ class HorovodBackend(Backend):
     def barrier(self):
         self.hvd.barrier()
 
+    def start_timeline(self, path):
+        # Every rank calls it; Horovod's coordinator (rank 0) writes the file.
+        self.hvd.start_timeline(path, mark_cycles=False)
+
     def close(self):
         # Horovod shuts down at exit; shutting down here would break a second Trainer in
         # the same process.
