@@ -226,6 +226,12 @@ class Monitor:
         text = " ".join(f"{k} {v:.4g}" for k, v in values.items())
         self.progress.message(f"eval at step {step} epoch {state.progress.epoch}: {text}")
 
+    def on_checkpoint(self, state, path, seconds):
+        """A checkpoint was saved (at a step, an epoch end, the end, or on request)."""
+        if self.is_root:
+            self._write_checkpoint(state.progress.step, state.progress.epoch,
+                                   {"path": str(path), "seconds": seconds}, {})
+
     def on_end(self, state):
         """Collective: gathers the steps since the last gather, writes the last lines."""
         step = state.progress.step

@@ -66,8 +66,9 @@ class Trainer:
     ``resume(state)``, ``maybe_save(state, ...)``, ``close()``; ``"auto"`` uses
     ``hpctrain.checkpoint.CheckpointManager`` when that package is installed, ``None`` none.
     ``callbacks``: objects with any of ``on_step(state, metrics, phase_times)``,
-    ``on_eval(state, metrics)``, ``on_end(state)``. ``stop_requested``: a callable; when it
-    returns True on any rank, every rank saves (``requested=True``) and stops.
+    ``on_eval(state, metrics)``, ``on_checkpoint(state, path, seconds)``, ``on_end(state)``.
+    ``stop_requested``: a callable; when it returns True on any rank, every rank saves
+    (``requested=True``) and stops.
 
     >>> result = Trainer(cfg, model=net, train_data=train, val_data=val).fit()   # doctest: +SKIP
     """
@@ -161,9 +162,7 @@ class Trainer:
                     metrics = fresh = self._evaluate(val, loss_fn, cfg, world)
                     evaluated_at = progress.step
                 with timer.phase("checkpoint"):
-                    saved = checkpoints.maybe_save(state, metrics=fresh) if checkpoints is not None else None
-                if saved:
-                    step_metrics["checkpoint"] = {"path": saved}
+                    self._save(checkpoints, metrics=fresh)
                 phase_times = timer.times()
                 for cb in callbacks:
                     _call(cb, "on_step", state, step_metrics, phase_times)
@@ -171,8 +170,7 @@ class Trainer:
                 # Agree at every step boundary, so all ranks save and stop after the same step.
                 if self.stop_requested is not None and any_rank(bool(self.stop_requested()), comm):
                     self._log(f"stop requested: saving at step {progress.step}")
-                    if checkpoints is not None:
-                        checkpoints.maybe_save(state, requested=True)
+                    self._save(checkpoints, requested=True)
                     stopped = True
                     break
             else:  # the epoch ran to its end
@@ -181,16 +179,15 @@ class Trainer:
                 if val is not None:
                     metrics = self._evaluate(val, loss_fn, cfg, world)
                     evaluated_at = progress.step
-                if checkpoints is not None:
-                    checkpoints.maybe_save(state, epoch_end=True, metrics=metrics or None)
+                self._save(checkpoints, epoch_end=True, metrics=metrics or None)
                 continue
             break  # max_steps or a stop
 
         train_loss = None if last_loss is None else backend.allreduce_mean(last_loss)
         if val is not None and not stopped and evaluated_at != progress.step:  # ended mid-epoch
             metrics = self._evaluate(val, loss_fn, cfg, world)
-        if not stopped and checkpoints is not None:
-            checkpoints.maybe_save(state, final=True, metrics=metrics or None)
+        if not stopped:
+            self._save(checkpoints, final=True, metrics=metrics or None)
         for cb in callbacks:
             _call(cb, "on_end", state)
         if checkpoints is not None:
@@ -225,6 +222,17 @@ class Trainer:
             backend.step(optimizer, scaler)
             optimizer.zero_grad()
         return total / len(micro_batches)
+
+    def _save(self, checkpoints, **when):
+        """Save if ``when`` calls for it (collective); tell the callbacks what was saved."""
+        if checkpoints is None:
+            return None
+        started = time.perf_counter()
+        path = checkpoints.maybe_save(self.state, **when)
+        if path:
+            for cb in self._callbacks:
+                _call(cb, "on_checkpoint", self.state, path, time.perf_counter() - started)
+        return path
 
     def _evaluate(self, val, loss_fn, cfg, world):
         """Loss and accuracy over the whole validation set, each rank scoring its part."""

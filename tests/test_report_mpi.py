@@ -90,4 +90,5 @@ def test_report_of_an_hpctrain_train_run(tmp_path):
              "monitor.log_every=5", f"run.run_dir={run}", f"data.path={tmp_path}/teacher.h5",
              "data.generate=teacher", "data.samples=2048", "data.val_samples=256", timeout=240).check()
     text, paths = report.write_report(run)
-    assert "steps: 20" in text and {"loss", "throughput", "ranks"} <= set(paths)
+    assert "steps: 20" in text and {"loss", "throughput", "ranks", "checkpoints"} <= set(paths)
+    assert "checkpoints: 1" in text  # the save at the end of training is reported
