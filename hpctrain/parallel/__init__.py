@@ -1,0 +1,41 @@
+"""Model-splitting parallelism: pipeline stages x data-parallel replicas x tensor-parallel
+ranks, over MPI sub-communicators (see ``docs/parallelism.md``).
+
+>>> from hpctrain.parallel import HybridParallel, Layout                # doctest: +SKIP
+>>> hp = HybridParallel(layers, Layout(stages=2), loss_fn, optimizer)   # mpirun -n 4: 2 x 2
+>>> loss = hp.train_step(x, y)
+
+Names are imported on first use, so that importing the package does not load torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "Layout": "layout",
+    "ProcessGrid": "layout",
+    "Pipeline": "pipeline",
+    "partition": "pipeline",
+    "schedule_ops": "pipeline",
+    "ColumnParallelLinear": "tensor",
+    "RowParallelLinear": "tensor",
+    "MLPBlock": "tensor",
+    "ParallelMLP": "tensor",
+    "SelfAttention": "tensor",
+    "ParallelSelfAttention": "tensor",
+    "tensor_parallelize": "tensor",
+    "DataParallelGroup": "hybrid",
+    "HybridParallel": "hybrid",
+    "save_parallel_checkpoint": "checkpoint",
+    "load_parallel_checkpoint": "checkpoint",
+    "gather_state": "checkpoint",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpctrain.parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
