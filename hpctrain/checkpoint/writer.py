@@ -85,7 +85,7 @@ def _hint(problems):
     return "the previous checkpoint and `latest` are untouched; see the messages above for the failing rank"
 
 
-def _create_layout(f, snap, checksums):
+def create_layout(f, snap, checksums):
     for gpath in sorted(snap.group_attrs):
         group = f.require_group(gpath)
         for key, value in sorted(snap.group_attrs[gpath].items()):
@@ -129,7 +129,7 @@ def _check_fault(path, rank):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
-def _write_empty(dset):
+def write_empty(dset):
     """Take part in a collective write with nothing to write."""
     from h5py import h5fd, h5p, h5s
 
@@ -160,7 +160,7 @@ def write_parallel(path, snap, comm):
     agree(errors, comm, path, "creating")
     try:
         try:
-            dsets = _create_layout(f, snap, checksums)
+            dsets = create_layout(f, snap, checksums)
         except Exception as exc:
             errors.append(f"creating datasets: {_describe(exc)}")
         agree(errors, comm, path, "creating datasets in")
@@ -181,7 +181,7 @@ def write_parallel(path, snap, comm):
                 try:
                     with dset.collective:
                         if part is None:
-                            _write_empty(dset)
+                            write_empty(dset)
                         elif entry.array.ndim == 0:
                             dset[()] = entry.array
                         else:
@@ -236,7 +236,7 @@ def write_serial(path, snap):
     checksums = [fmt.crc32_bytes(e.array) for e in entries]
     try:
         with h5py.File(path, "w", libver=LIBVER) as f:
-            dsets = _create_layout(f, snap, checksums)
+            dsets = create_layout(f, snap, checksums)
             for entry, dset in zip(entries, dsets):
                 try:
                     _check_fault(entry.path, 0)

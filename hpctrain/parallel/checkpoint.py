@@ -162,7 +162,7 @@ def _global_slices(region):
 # ---------------------------------------------------------------- saving
 
 class _Planned:
-    """What ``writer._create_layout`` needs of a dataset, without its data."""
+    """What ``writer.create_layout`` needs of a dataset, without its data."""
 
     def __init__(self, path, shape, dtype_name):
         self.path = path
@@ -320,7 +320,7 @@ def _write(tmp, layout, checksums, pieces, comm):
         errors.append(f"creating the file: {type(exc).__name__}: {exc}")
     writer.agree(errors, comm, tmp, "creating")
     try:
-        dsets = writer._create_layout(f, layout, checksums)
+        dsets = writer.create_layout(f, layout, checksums)
         for entry, dset in zip(layout.entries, dsets):
             try:
                 with dset.collective:
@@ -331,7 +331,7 @@ def _write(tmp, layout, checksums, pieces, comm):
                         else:
                             dset[_global_slices(sub)] = part
                     else:
-                        writer._write_empty(dset)
+                        writer.write_empty(dset)
             except Exception as exc:
                 errors.append(f"writing /{entry.path}: {type(exc).__name__}: {exc}")
         if not comm.allreduce(len(errors)):
