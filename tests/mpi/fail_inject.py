@@ -10,7 +10,11 @@ FAIL_AT=<point>:<n>: the n-th call (1-based) on that rank of
                a checkpoint write
     replace    os.replace (rank 0 renames checkpoints and ``latest`` into place)
 FAIL_ACTION: kill (SIGKILL itself), raise (RuntimeError), sleep (hang for an hour).
-Without FAIL_AT the command runs unchanged. The job scripts can run this file in place of
+FAIL_COUNT=1 (without FAIL_AT): count the calls of every point and print them at exit
+("fail_inject: rank 0 calls backward=40 h5write=60 replace=18"), to place failures.
+FAIL_LOG=PATH: append "rank R resumed STEP" to PATH after checkpoint resume (0: started
+fresh), written and fsynced at once: a killed job may lose the last of its forwarded output.
+Without any of these the command runs unchanged. The job scripts can run this file in place of
 python: tests point HPCTRAIN_VENV at a directory whose bin/python execs it.
 """
 import os
@@ -38,6 +42,9 @@ def _act(action, where):
     raise RuntimeError(f"injected failure at {where}")
 
 
+COUNTS = {}
+
+
 def _count_calls(owner, name, point, n, action):
     original = getattr(owner, name)
     calls = [0]
@@ -49,6 +56,7 @@ def _count_calls(owner, name, point, n, action):
         return original(*args, **kwargs)
 
     setattr(owner, name, wrapper)
+    COUNTS[point] = calls
     return calls
 
 
@@ -68,11 +76,40 @@ def install(point, n, action):
         raise SystemExit(f"fail_inject: unknown point {point!r}")
 
 
+def _record_resume(path):
+    from hpctrain.checkpoint import CheckpointManager
+
+    original = CheckpointManager.resume
+
+    def resume(self, state):
+        loaded = original(self, state)
+        with open(path, "a") as f:
+            f.write(f"rank {_rank()} resumed {state.progress.step if loaded else 0}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return loaded
+
+    CheckpointManager.resume = resume
+
+
+def _report_counts():
+    text = " ".join(f"{point}={calls[0]}" for point, calls in sorted(COUNTS.items()))
+    print(f"fail_inject: rank {_rank()} calls {text}", file=sys.stderr, flush=True)
+
+
 def main():
     spec = os.environ.get("FAIL_AT")
     if spec and _rank() == int(os.environ.get("FAIL_RANK", "0")):
         point, n = spec.split(":")
         install(point, int(n), os.environ.get("FAIL_ACTION", "kill"))
+    elif os.environ.get("FAIL_COUNT") == "1":
+        import atexit
+
+        for point in ("backward", "h5write", "replace"):
+            install(point, 0, "count")
+        atexit.register(_report_counts)
+    if os.environ.get("FAIL_LOG"):
+        _record_resume(os.environ["FAIL_LOG"])
     args = sys.argv[1:]
     if args[:1] == ["-m"]:
         sys.argv = [args[1]] + args[2:]
