@@ -15,6 +15,9 @@ Rank 0 takes the lock; every rank sees the outcome::
 
     with runlock.hold(run_dir, comm):
         train(...)
+
+or, where rank 0 creates the run directory inside a coordinated step, ``acquire(run_dir)``
+there before anything is written into it, and ``release(run_dir)`` on rank 0 at the end.
 """
 import contextlib
 import json
@@ -134,7 +137,9 @@ def acquire(run_dir, environ=None):
 
 
 def release(path, environ=None):
-    """Remove the lock file if it is still ours."""
+    """Remove the lock file (``path``, or the run directory holding it) if it is still ours."""
+    if os.path.isdir(path):
+        path = os.path.join(path, LOCK_NAME)
     try:
         with open(path) as f:
             holder = json.load(f)

@@ -16,6 +16,8 @@ SCRIPT = ROOT / "scripts" / "slurm-cluster.sh"
 # States after which a job will not run again by itself.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                 "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+# Seconds a requeued job is left pending before the tests let it start (see wait()).
+REQUEUE_SETTLE = 8
 
 
 class SlurmUnavailable(Exception):
@@ -109,16 +111,20 @@ class SlurmCluster:
         A requeued job passes through REQUEUED/PENDING and runs again, so those states are
         not final. Fails the test (after cancelling the job) on timeout."""
         deadline = time.monotonic() + timeout
-        records = []
+        records, held_since = [], {}
         while time.monotonic() < deadline:
             records = self.jobs(job_id)
             if records and all(r.get("JobState") in FINAL_STATES for r in records):
                 return records
             for r in records:
                 # Slurm holds a requeued job back for about two minutes (EligibleTime =
-                # requeue time + 121 s); a test need not wait that out.
+                # requeue time + 121 s) while the old run's credential and steps are cleaned
+                # up. A test need not wait that out, but restarting within a second or two
+                # fails ("Job credential revoked"), so give the cleanup a few seconds.
                 if r.get("JobState") == "PENDING" and r.get("Reason") == "BeginTime":
-                    self.run(["scontrol", "update", f"JobId={r['JobId']}", "StartTime=now"], check=False)
+                    since = held_since.setdefault((r["JobId"], r.get("Restarts")), time.monotonic())
+                    if time.monotonic() - since >= REQUEUE_SETTLE:
+                        self.run(["scontrol", "update", f"JobId={r['JobId']}", "StartTime=now"], check=False)
             time.sleep(poll)
         self.run(["scancel", job_id], check=False)
         raise AssertionError(f"Slurm job {job_id} did not finish in {timeout}s: "

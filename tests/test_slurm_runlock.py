@@ -29,6 +29,9 @@ def test_acquire_release(tmp_path):
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
     runlock.release(path)
     assert not os.path.exists(path)
+    runlock.acquire(str(run_dir))
+    runlock.release(str(run_dir))  # the run directory will do too
+    assert not os.path.exists(path)
 
 
 def test_live_holder_refuses_a_second_run(tmp_path):
