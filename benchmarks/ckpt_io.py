@@ -1,0 +1,333 @@
+"""Checkpoint I/O: hpctrain's collective HDF5 checkpoint against torch.save, DCP and raw writes.
+
+    mpirun -n 2 python benchmarks/ckpt_io.py --state-mib 1100 --dir /tmp/ckpt-bench --out x.json
+
+The state is an MLP and its AdamW moments (parameters x 3). Each repetition times, one
+after the other on the same state:
+
+* ``raw``: rank 0 writes every tensor with numpy ``tofile`` into one file, then fsync;
+  reads them back with ``readinto`` (the bandwidth the disk gives one process);
+* ``torch``: rank 0 ``torch.save`` + fsync; ``torch.load`` + ``load_state_dict``;
+* ``hpctrain``: ``save_checkpoint`` on every rank (checksums, collective write, verify,
+  fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
+* ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank.
+
+Before each load the file is dropped from the page cache (``posix_fadvise``), so loads
+read the disk. Peak memory: the highest resident set size above the level before the
+save, on the worst rank. ``--stall``: training steps (mpi backend) with a
+``CheckpointManager`` save in the middle, with and without ``async_save``, against the
+same steps without a save.
+"""
+import argparse
+import gc
+import os
+import shutil
+import time
+
+from common import MIB, PeakMemory, drop_file_cache, init, median, write_result
+
+IN_FEATURES, CLASSES, DEPTH = 256, 16, 4
+
+
+def build_state(state_bytes, seed=0):
+    """An MLP with AdamW state of about ``state_bytes`` (parameters, exp_avg, exp_avg_sq)."""
+    import torch
+
+    from hpctrain.config import ModelConfig
+    from hpctrain.models import build_model
+    from hpctrain.state import Progress, TrainState
+
+    # DEPTH blocks of hidden^2 weights dominate: 3 copies x 4 bytes each.
+    hidden = max(64, int((state_bytes / (12 * DEPTH)) ** 0.5) // 64 * 64)
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(name="mlp", in_features=IN_FEATURES, hidden=hidden, depth=DEPTH,
+                                    residual=True, layer_norm=True, num_classes=CLASSES))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()  # creates the moments
+    opt.zero_grad()
+    return TrainState(model, opt, Progress(step=1, seed=seed)), hidden
+
+
+def tensors_of(state):
+    """Every tensor a checkpoint of ``state`` holds, in a fixed order."""
+    out = list(state.model.state_dict().values())
+    for s in state.optimizer.state.values():
+        out += [v for v in s.values() if hasattr(v, "numel") and v.numel() > 1]
+    return out
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------- the methods
+
+def raw_save(path, tensors):
+    with open(path, "wb") as f:
+        for t in tensors:
+            t.detach().numpy().tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_load(path, tensors):
+    with open(path, "rb", buffering=0) as f:
+        for t in tensors:
+            view = memoryview(t.detach().numpy()).cast("B")
+            got = 0
+            while got < len(view):
+                got += f.readinto(view[got:])
+
+
+def torch_save(path, state):
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_load(path, state):
+    import torch
+
+    sd = torch.load(path, weights_only=True)
+    state.model.load_state_dict(sd["model"])
+    state.optimizer.load_state_dict(sd["optimizer"])
+
+
+def dcp_save(path, state):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(state.model, state.optimizer)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)
+
+
+def dcp_load(path, state):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(state.model, state.optimizer)
+    sd = {"model": msd, "optimizer": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+
+def file_bytes(path):
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
+    return os.path.getsize(path)
+
+
+def remove(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+# ---------------------------------------------------------------- one method, timed
+
+def measure(world, name, path, save, load, collective):
+    """Save then load once; the slowest rank's seconds and peak extra memory."""
+    from mpi4py import MPI
+
+    comm = world.comm
+    active = collective or world.rank == 0
+    gc.collect()
+    comm.Barrier()
+    t_save = peak = t_load = 0.0
+    size = 0
+    if active:
+        with PeakMemory() as mem:
+            t0 = time.perf_counter()
+            save()
+            t_save = time.perf_counter() - t0
+        peak = mem.peak_extra
+    comm.Barrier()
+    if world.rank == 0:
+        size = file_bytes(path)
+        drop_file_cache(path)
+    comm.Barrier()
+    if active and load is not None:
+        t0 = time.perf_counter()
+        load()
+        t_load = time.perf_counter() - t0
+    comm.Barrier()
+    if world.rank == 0:
+        remove(path)
+    comm.Barrier()
+    return {"method": name, "save_s": comm.allreduce(t_save, op=MPI.MAX),
+            "load_s": comm.allreduce(t_load, op=MPI.MAX) if load is not None else None,
+            "peak_extra_bytes": comm.allreduce(peak, op=MPI.MAX), "file_bytes": comm.bcast(size, root=0)}
+
+
+def stall(world, state, directory, steps, reps, batch):
+    """Seconds that a checkpoint save adds to ``steps`` training steps, sync and async."""
+    import torch
+    from mpi4py import MPI
+
+    from hpctrain.backends import get_backend
+    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.config import CheckpointConfig
+
+    comm = world.comm
+    backend = get_backend("mpi", world)
+    model, opt = state.model, backend.distributed_optimizer(state.optimizer, state.model)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(world.rank)
+    x, y = torch.randn(batch, IN_FEATURES, generator=gen), torch.randint(0, CLASSES, (batch,), generator=gen)
+
+    def train(n):
+        for _ in range(n):
+            loss_fn(model(x), y).backward()
+            backend.synchronize(opt)
+            backend.step(opt)
+            opt.zero_grad()
+            state.progress.step += 1
+
+    managers = {mode: CheckpointManager(os.path.join(directory, mode), world,
+                                        CheckpointConfig(async_save=(mode == "async"), keep_last=1))
+                for mode in ("sync", "async")}
+    train(1)  # warm-up: buffers, optimizer
+    out = {mode: {"blocking_s": [], "steps_s": [], "wait_s": [], "total_s": [], "baseline_s": []}
+           for mode in managers}
+    for _ in range(reps):
+        for mode, mgr in managers.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            train(steps)
+            base = time.perf_counter() - t0
+            comm.Barrier()
+            t0 = time.perf_counter()
+            mgr.save(state)
+            t1 = time.perf_counter()
+            train(steps)
+            t2 = time.perf_counter()
+            mgr.wait()
+            t3 = time.perf_counter()
+            r = out[mode]
+            for key, value in (("baseline_s", base), ("blocking_s", t1 - t0), ("steps_s", t2 - t1),
+                               ("wait_s", t3 - t2), ("total_s", t3 - t0)):
+                r[key].append(comm.allreduce(value, op=MPI.MAX))
+    result = {}
+    for mode, r in out.items():
+        m = {k: median(v) for k, v in r.items()}
+        # The time training lost: the save's own blocking, slower steps while it ran in
+        # the background, and waiting for it to end.
+        m["stall_s"] = m["total_s"] - m["baseline_s"]
+        m["step_s"] = m["baseline_s"] / steps
+        result[mode] = m
+    for mgr in managers.values():
+        mgr.close()
+    backend.close()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-mib", type=float, default=1100, help="checkpointed bytes (MiB)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
+    parser.add_argument("--methods", nargs="*", default=["raw", "torch", "hpctrain", "hpctrain_noverify", "dcp"])
+    parser.add_argument("--stall", action="store_true", help="also measure the training stall")
+    parser.add_argument("--stall-steps", type=int, default=3)
+    parser.add_argument("--stall-reps", type=int, default=2)
+    parser.add_argument("--stall-batch", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import tempfile
+
+    world = init(threads=1)
+    comm = world.comm
+    directory = None
+    if world.rank == 0:
+        directory = args.dir or tempfile.mkdtemp(prefix="hpctrain-ckpt-bench-")
+    directory = comm.bcast(directory, root=0)
+    if world.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+    comm.Barrier()
+    state, hidden = build_state(int(args.state_mib * MIB))
+    tensors = tensors_of(state)
+    state_bytes = nbytes(tensors)
+
+    from hpctrain.checkpoint import load_checkpoint, save_checkpoint
+
+    dcp_error = None
+    if "dcp" in args.methods:
+        try:
+            from train_step import init_ddp
+
+            init_ddp(world)
+        except Exception as exc:  # recorded in the results: DCP needs a process group
+            dcp_error = f"{type(exc).__name__}: {exc}"
+
+    def path(name):
+        return os.path.join(directory, {"raw": "raw.bin", "torch": "state.pt", "dcp": "dcp"}.get(name, f"{name}.h5"))
+
+    methods = {
+        "raw": (lambda: raw_save(path("raw"), tensors), lambda: raw_load(path("raw"), tensors), False),
+        "torch": (lambda: torch_save(path("torch"), state), lambda: torch_load(path("torch"), state), False),
+        "hpctrain": (lambda: save_checkpoint(path("hpctrain"), state, comm),
+                     lambda: load_checkpoint(path("hpctrain"), state, comm), True),
+        "hpctrain_noverify": (lambda: save_checkpoint(path("hpctrain_noverify"), state, comm, verify=False),
+                              None, True),
+        "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
+    }
+    chosen = [m for m in args.methods if not (m == "dcp" and dcp_error)]
+    runs = {m: [] for m in chosen}
+    for _ in range(args.reps):  # interleaved: the disk's mood changes over minutes
+        for name in chosen:
+            save, load, collective = methods[name]
+            try:
+                runs[name].append(measure(world, name, path(name), save, load, collective))
+            except Exception as exc:
+                if name != "dcp":
+                    raise
+                dcp_error = f"{type(exc).__name__}: {exc}"
+                comm.Barrier()
+        if dcp_error and "dcp" in runs:
+            del runs["dcp"]
+            chosen.remove("dcp")
+    rows = []
+    for name, rs in runs.items():
+        row = {"method": name, "reps": len(rs), "state_bytes": state_bytes,
+               "save_s": median([r["save_s"] for r in rs]), "file_bytes": rs[0]["file_bytes"],
+               "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rs),
+               "save_samples_s": [r["save_s"] for r in rs]}
+        loads = [r["load_s"] for r in rs if r["load_s"] is not None]
+        row["load_s"] = median(loads) if loads else None
+        row["save_gbs"] = state_bytes / row["save_s"] / 1e9
+        row["load_gbs"] = state_bytes / row["load_s"] / 1e9 if row["load_s"] else None
+        row["peak_extra_fraction"] = row["peak_extra_bytes"] / state_bytes
+        rows.append(row)
+        if world.rank == 0:
+            print(f"ckpt_io {name}: save {row['save_s']:.2f} s, load {row['load_s'] or 0:.2f} s, "
+                  f"peak extra {row['peak_extra_fraction']:.0%} of {state_bytes / MIB:.0f} MiB", flush=True)
+    result = {"state_bytes": state_bytes, "hidden": hidden, "tensors": len(tensors), "methods": rows,
+              "dcp_error": dcp_error, "directory": directory}
+    if args.stall:
+        result["stall"] = stall(world, state, os.path.join(directory, "stall"), args.stall_steps,
+                                args.stall_reps, args.stall_batch)
+        result["stall"]["steps"] = args.stall_steps
+        if world.rank == 0:
+            for mode in ("sync", "async"):
+                s = result["stall"][mode]
+                print(f"ckpt_io stall {mode}: {s['stall_s']:.2f} s over {args.stall_steps} steps of "
+                      f"{s['step_s']:.2f} s (blocking {s['blocking_s']:.2f} s)", flush=True)
+    comm.Barrier()
+    if world.rank == 0 and not args.dir:
+        shutil.rmtree(directory, ignore_errors=True)
+    write_result(world, args.out, "ckpt_io", {k: v for k, v in vars(args).items() if k != "out"}, result)
+    if "dcp" in args.methods and not dcp_error:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

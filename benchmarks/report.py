@@ -1,0 +1,270 @@
+"""The table of a benchmark run: ``python benchmarks/report.py bench-results/<timestamp>``.
+
+Ratios are against a baseline measured in the same launch (or, for step times across
+implementations, the same command), medians of the repetitions. Absolute times are shown
+for scale only: this machine is shared, and they move by 2x from one minute to the next.
+"""
+import glob
+import json
+import os
+import sys
+
+MIB = 2 ** 20
+
+TARGETS = {
+    "step": 1.0,          # step time / DDP's
+    "sync": 1.2,          # gradient synchronisation / one fused Allreduce of the same bytes
+    "save_vs_torch": 1.0,  # hpctrain save time / torch.save+fsync
+    "save_vs_raw": 0.8,   # hpctrain save bandwidth / raw tofile+fsync bandwidth (at least)
+    "load_vs_torch": 1.0,  # hpctrain load time / torch.load
+    "peak_mem": 0.10,     # extra resident memory during save / state size
+}
+
+
+def load(out):
+    docs = {}
+    for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        if name == "launches":
+            continue
+        try:
+            with open(path) as f:
+                docs[name] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return docs
+
+
+def ok(value, limit, higher_is_better=False):
+    if value is None:
+        return "n/a"
+    good = value >= limit if higher_is_better else value <= limit
+    return "met" if good else "MISSED"
+
+
+def fmt(value, spec=".2f", suffix=""):
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def size_name(nbytes):
+    return f"{nbytes / MIB:g} MiB" if nbytes >= MIB else f"{nbytes / 1024:g} KiB"
+
+
+def allreduce_section(docs, verdicts):
+    lines = ["## 1. Gradient all-reduce (hpctrain `backend.synchronize`, 16 tensors) vs one fused mpi4py Allreduce",
+             "",
+             "Cells: time / time of one fused float32 `Allreduce` of the same bytes in the same launch "
+             "(median; <= 1.2 is the target). busbw = bytes/time x 2(n-1)/n, fp16 counting the half "
+             "that travels. The Horovod launch's fused baseline runs beside Horovod's background thread.",
+             "",
+             "| ranks | size | fused busbw GB/s (mpi launch) | mpi none | mpi fp16 | fused busbw GB/s (hvd launch) "
+             "| horovod none | horovod fp16 | busbw GB/s mpi none / hvd none / hvd fp16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    found = False
+    for n in (2, 4):
+        m, h = docs.get(f"allreduce-mpi-{n}"), docs.get(f"allreduce-horovod-{n}")
+        if not m and not h:
+            continue
+        found = True
+        rows = {}
+        for doc in (m, h):
+            for r in (doc or {}).get("results", []):
+                key = ("hvd_" if doc is h and r["path"] == "fused_allreduce" else "") + r["path"]
+                rows.setdefault(r["bytes"], {})[key] = r
+        for nbytes in sorted(rows):
+            r = rows[nbytes]
+            get = lambda k, f="ratio_to_fused": r.get(k, {}).get(f)  # noqa: E731
+            lines.append(
+                f"| {n} | {size_name(nbytes)} | {fmt(get('fused_allreduce', 'busbw_gbs'))} "
+                f"| {fmt(get('mpi_none'))} | {fmt(get('mpi_fp16'))} | {fmt(get('hvd_fused_allreduce', 'busbw_gbs'))} "
+                f"| {fmt(get('horovod_none'))} | {fmt(get('horovod_fp16'))} "
+                f"| {fmt(get('mpi_none', 'busbw_gbs'))} / {fmt(get('horovod_none', 'busbw_gbs'))} / "
+                f"{fmt(get('horovod_fp16', 'busbw_gbs'))} |")
+            if nbytes >= 4 * MIB:
+                for path in ("mpi_none", "horovod_none"):
+                    if get(path) is not None:
+                        verdicts.append((f"sync {path.replace('_', ' ')} {size_name(nbytes)} {n} ranks "
+                                         f"<= 1.2x fused", get(path), ok(get(path), TARGETS["sync"])))
+    return lines if found else []
+
+
+def step_docs(docs, model, n):
+    out = {}
+    for name, doc in docs.items():
+        if doc.get("benchmark") != "train_step" or doc["ranks"] != n:
+            continue
+        r = doc["results"]
+        if r["model"] == model:
+            out[f"{r['impl']} {r['compression']}" if r["impl"] != "ddp" else "ddp"] = r
+    return out
+
+
+def train_section(docs, verdicts):
+    lines = []
+    for model in ("large", "small"):
+        rs = step_docs(docs, model, 2)
+        if not rs:
+            continue
+        ddp = rs.get("ddp")
+        any_r = next(iter(rs.values()))
+        lines += ["", f"## 2. Training step, {model} model ({any_r['parameters'] / 1e6:.1f}M parameters in "
+                      f"{any_r['tensors']} tensors, {any_r['grad_bytes'] / MIB:.0f} MiB of gradients), 2 ranks, "
+                      f"batch {any_r['batch_per_rank']}/rank, 1 torch thread/rank",
+                  "",
+                  "x DDP: step / DDP's step (direct, launches minutes apart); x DDP (norm.): the same after "
+                  "dividing each by its own launch's communication-free step (`local`), which cancels load "
+                  "that changed between launches. exposed comm = step - local. sync: time in "
+                  "`backend.synchronize` (after the backward pass; Horovod overlaps part of it with backward).",
+                  "",
+                  "| implementation | step ms | x DDP | x DDP (norm.) | step / local | exposed comm ms | sync ms "
+                  "| sync / fused Allreduce | fused Allreduce ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for key in ("ddp", "horovod none", "horovod fp16", "mpi none", "mpi fp16"):
+            r = rs.get(key)
+            if not r:
+                continue
+            direct = r["step_s"] / ddp["step_s"] if ddp else None
+            norm = r["step_over_local"] / ddp["step_over_local"] if ddp else None
+            lines.append(f"| {key} | {fmt(1e3 * r['step_s'], '.0f')} | {fmt(direct)} | {fmt(norm)} "
+                         f"| {fmt(r['step_over_local'])} | {fmt(1e3 * r['exposed_comm_s'], '.0f')} "
+                         f"| {fmt(1e3 * r['sync_s'], '.0f') if key != 'ddp' else 'in backward'} "
+                         f"| {fmt(r['sync_over_fused'])} | {fmt(1e3 * r['fused_allreduce_s'], '.0f')} |")
+            if key != "ddp" and norm is not None:
+                verdicts.append((f"step {key}, {model} model, <= DDP (normalised)", norm, ok(norm, TARGETS["step"])))
+    return lines
+
+
+def scaling_section(docs):
+    lines = ["", "## 4. Scaling at a fixed per-rank batch (large model, 64 samples/rank/step)", "",
+             "Weak scaling: ideal is a constant step time. 4 ranks on 2 cores are oversubscribed (two ranks "
+             "per core), so the 4-rank column measures time-sharing, not scaling.", "",
+             "| implementation | 1 rank ms | 2 ranks ms | 4 ranks ms (oversubscribed) | t1/t2 | t1/t4 |",
+             "|---|---|---|---|---|---|"]
+    found = False
+    for impl in ("horovod none", "ddp"):
+        t = {n: step_docs(docs, "large", n).get(impl) for n in (1, 2, 4)}
+        if not any(t.values()):
+            continue
+        found = True
+        s = {n: (r["step_s"] if r else None) for n, r in t.items()}
+        eff = lambda n: s[1] / s[n] if s[1] and s[n] else None  # noqa: E731
+        lines.append(f"| {impl} | {fmt(s[1] and 1e3 * s[1], '.0f')} | {fmt(s[2] and 1e3 * s[2], '.0f')} "
+                     f"| {fmt(s[4] and 1e3 * s[4], '.0f')} | {fmt(eff(2))} | {fmt(eff(4))} |")
+    return lines if found else []
+
+
+def ckpt_section(docs, verdicts):
+    doc = docs.get("ckpt_io-2")
+    if not doc:
+        return []
+    res = doc["results"]
+    rows = {r["method"]: r for r in res["methods"]}
+    torch_r, raw = rows.get("torch"), rows.get("raw")
+    lines = ["", f"## 3. Checkpoint I/O, {res['state_bytes'] / 2 ** 30:.2f} GiB state (MLP + AdamW moments, "
+                 f"{res['tensors']} tensors), 2 ranks", "",
+             "save includes fsync; loads read a file dropped from the page cache. raw = numpy tofile+fsync "
+             "/ readinto on one rank; torch = torch.save+fsync / torch.load+load_state_dict on one rank; "
+             "hpctrain = save_checkpoint (checksums, collective HDF5 write, verify re-read, fsync, rename) / "
+             "load_checkpoint on 2 ranks; dcp = torch.distributed.checkpoint over gloo on 2 ranks. "
+             "peak extra = highest RSS above the level before the save, worst rank.", "",
+             "| method | save s | save x torch | save GB/s | save BW / raw BW | load s | load x torch "
+             "| peak extra / state |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in ("raw", "torch", "hpctrain", "hpctrain_noverify", "dcp"):
+        r = rows.get(name)
+        if not r:
+            continue
+        vs_torch = r["save_s"] / torch_r["save_s"] if torch_r else None
+        vs_raw = raw["save_s"] / r["save_s"] if raw else None
+        load_vs = r["load_s"] / torch_r["load_s"] if torch_r and r["load_s"] else None
+        lines.append(f"| {name} | {fmt(r['save_s'])} | {fmt(vs_torch)} | {fmt(r['save_gbs'])} | {fmt(vs_raw)} "
+                     f"| {fmt(r['load_s'])} | {fmt(load_vs)} | {fmt(100 * r['peak_extra_fraction'], '.0f', '%')} |")
+        if name == "hpctrain":
+            verdicts += [("checkpoint save <= torch.save+fsync", vs_torch, ok(vs_torch, TARGETS["save_vs_torch"])),
+                         ("checkpoint save >= 80% raw bandwidth", vs_raw, ok(vs_raw, TARGETS["save_vs_raw"], True)),
+                         ("checkpoint load <= torch.load", load_vs, ok(load_vs, TARGETS["load_vs_torch"])),
+                         ("peak extra memory during save < 10% of state", r["peak_extra_fraction"],
+                          ok(r["peak_extra_fraction"], TARGETS["peak_mem"]))]
+    if res.get("dcp_error"):
+        lines.append(f"\ndcp did not run: {res['dcp_error']}")
+    stall = res.get("stall")
+    if stall:
+        lines += ["", f"Training stall of one `CheckpointManager.save` among {stall['steps']} training steps "
+                      f"(mpi backend, batch 8/rank, same state): stall = (steps with the save, until it is "
+                      f"durable) - (the same steps without).", "",
+                  "| mode | stall s | stall / sync stall | save() blocks s | step s | wait at end s |",
+                  "|---|---|---|---|---|---|"]
+        for mode in ("sync", "async"):
+            s = stall[mode]
+            lines.append(f"| {mode} | {fmt(s['stall_s'])} | {fmt(s['stall_s'] / stall['sync']['stall_s'])} "
+                         f"| {fmt(s['blocking_s'])} | {fmt(s['step_s'])} | {fmt(s['wait_s'])} |")
+    return lines
+
+
+def checkpoint_io_section(docs, verdicts):
+    """The checkpoint developer's benchmark (benchmarks/checkpoint_io.py): one repetition,
+    warm page cache, SGD state (parameters only)."""
+    doc = docs.get("checkpoint_io")
+    if not doc:
+        return []
+    r = doc["results"]
+    g = r.get
+    ratio = lambda a, b: g(a) / g(b) if g(a) and g(b) else None  # noqa: E731
+    lines = ["", f"### 3b. benchmarks/checkpoint_io.py ({g('state_bytes', 0) / 2 ** 30:.2f} GiB of parameters, "
+                 f"one repetition, warm page cache)", "",
+             "| figure | value |", "|---|---|"]
+    rows = [("hpctrain save (verify) / torch.save+fsync", ratio("hpctrain_save_verify1_s", "torch_save_s")),
+            ("hpctrain save (no verify) / torch.save+fsync", ratio("hpctrain_save_verify0_s", "torch_save_s")),
+            ("hpctrain save bandwidth / numpy tofile+fsync", ratio("numpy_tofile_s", "hpctrain_save_verify1_s")),
+            ("hpctrain load / torch.load", ratio("hpctrain_load_s", "torch_load_s")),
+            ("peak RSS growth in save / state", ratio("hpctrain_save_verify1_peak_rss_delta", "state_bytes")),
+            ("stall: async save / sync save", ratio("stall_async_s", "stall_sync_s")),
+            ("stand-in steps during async save / alone", ratio("steps_during_async_s", "steps_alone_s"))]
+    lines += [f"| {label} | {fmt(value)} |" for label, value in rows]
+    return lines
+
+
+def extra_section(docs):
+    known = ("allreduce-", "train_step-", "ckpt_io-", "checkpoint_io")
+    other = {k: v for k, v in docs.items() if not k.startswith(known)}
+    lines = []
+    for name, doc in other.items():
+        lines += ["", f"## {name} (as written by its script)", "", "```",
+                  json.dumps(doc.get("results", doc), indent=1, sort_keys=True)[:4000], "```"]
+    return lines
+
+
+def render(out):
+    docs = load(out)
+    verdicts = []
+    lines = [f"# Benchmarks: {out}", ""]
+    machine = next((d.get("machine") for d in docs.values() if d.get("machine")), None)
+    if machine:
+        lines.append(f"Machine: {machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, "
+                     f"{machine.get('mpi', 'MPI ?')}, torch {machine.get('torch')}, Horovod "
+                     f"{machine.get('horovod', '-')}, HDF5 {machine.get('hdf5', '-')}; load average at the "
+                     f"first launch {', '.join(f'{x:.1f}' for x in machine.get('load_avg', []))}")
+    try:
+        with open(os.path.join(out, "launches.json")) as f:
+            launches = json.load(f)
+        failed = [e["name"] for e in launches["launches"] if e["rc"] != 0]
+        lines.append(f"Launches: {len(launches['launches'])}{' (quick)' if launches.get('quick') else ''}, "
+                     f"failed: {', '.join(failed) or 'none'}; load average at the end "
+                     f"{', '.join(f'{x:.1f}' for x in launches.get('load_avg_end', []))}")
+    except (OSError, ValueError, KeyError):
+        pass
+    lines.append("")
+    lines += allreduce_section(docs, verdicts)
+    lines += train_section(docs, verdicts)
+    lines += ckpt_section(docs, verdicts)
+    lines += checkpoint_io_section(docs, verdicts)
+    lines += scaling_section(docs)
+    lines += extra_section(docs)
+    if verdicts:
+        lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+        lines += [f"| {name} | {fmt(value)} | {verdict} |" for name, value, verdict in verdicts]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(sys.argv[1]))

@@ -1,0 +1,135 @@
+"""Run every benchmark under mpirun and print the table (``make bench``).
+
+    python benchmarks/run_all.py                 # ~15 minutes on 2 cores
+    BENCH_QUICK=1 python benchmarks/run_all.py   # ~2 minutes: small sizes, few steps
+
+Results: ``bench-results/<timestamp>/*.json`` (one file per launch), ``table.md`` (what is
+printed) and ``launches.json`` (commands, exit codes, seconds, output of failed launches).
+Every launch has a timeout; a failed one is reported and the others still run.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MIB = 2 ** 20
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.update({
+        # As root, and with more ranks than the 2 cores here: Open MPI refuses both unless told.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "true",
+        # Oversubscribed ranks that spin while waiting steal the cores the others need.
+        "OMPI_MCA_mpi_yield_when_idle": "true",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+    })
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
+    env.setdefault("OMPI_MCA_btl_tcp_if_include", "lo")
+    env.setdefault("OMPI_MCA_oob_tcp_if_include", "lo")
+    return env
+
+
+def plan(quick, out):
+    """``[(name, ranks, script args, timeout s)]``."""
+    j = lambda name: ["--out", os.path.join(out, f"{name}.json")]  # noqa: E731
+    launches = []
+    sizes = [256 * 1024 * 4 ** i for i in range(3 if quick else 6)]
+    for n in (2, 4):
+        for backend in ("mpi", "horovod"):
+            name = f"allreduce-{backend}-{n}"
+            scale = 0.3 if quick else (1.0 if n == 2 else 0.5)
+            launches.append((name, n, ["allreduce.py", "--backend", backend, "--reps-scale", str(scale),
+                                       "--sizes", *map(str, sizes)] + j(name), 240 if quick else 420))
+    impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none")]
+    steps = ["--steps", "4", "--warmup", "2", "--block", "2"] if quick else ["--steps", "20", "--warmup", "4"]
+    for model in (("large",) if quick else ("large", "small")):
+        for impl, comp in impls:
+            name = f"train_step-{model}-{impl}-{comp}-2"
+            launches.append((name, 2, ["train_step.py", "--impl", impl, "--compression", comp, "--model", model]
+                             + steps + j(name), 240 if quick else 300))
+    # Scaling at a fixed per-rank batch; 2 ranks come from the launches above.
+    for n in (1, 4):
+        for impl in ("horovod",):
+            name = f"train_step-large-{impl}-none-{n}"
+            launches.append((name, n, ["train_step.py", "--impl", impl, "--model", "large"]
+                             + (steps if quick else ["--steps", "12", "--warmup", "3", "--block", "4"])
+                             + j(name), 240 if quick else 400))
+    ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
+            else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "1"])
+    launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
+    # The checkpoint developer's own benchmark, when present: its JSON goes into the same
+    # directory (BENCH_OUT) and is shown as it is.
+    if os.path.exists(os.path.join(HERE, "checkpoint_io.py")):
+        launches.append(("checkpoint_io", 2, ["checkpoint_io.py", "--gib", "0.125" if quick else "1.0",
+                                              "--dir", os.path.join(out, "checkpoint_io")], 300 if quick else 900))
+    return launches
+
+
+def run(name, n, args, timeout, out, log):
+    cmd = ["mpirun", "-n", str(n), "--timeout", str(timeout),
+           sys.executable, os.path.join(HERE, args[0])] + args[1:]
+    env = mpi_env()
+    env["BENCH_OUT"] = out
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=env, cwd=ROOT)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "")
+    seconds = time.time() - t0
+    for line in stdout.splitlines():
+        if line.startswith(("allreduce", "train_step", "ckpt_io")):
+            print(f"  {line}", flush=True)
+    entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1)}
+    if rc != 0:
+        entry["output_tail"] = (stdout + stderr)[-4000:]
+        print(f"  {name}: FAILED ({rc}) after {seconds:.0f} s; see launches.json", flush=True)
+    log.append(entry)
+
+
+def fold_checkpoint_io(out):
+    """checkpoint_io.py writes DIR/results.json: keep it beside the others, as they are written."""
+    src = os.path.join(out, "checkpoint_io", "results.json")
+    if os.path.exists(src):
+        with open(src) as f:
+            results = json.load(f)
+        with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
+            json.dump({"benchmark": "checkpoint_io", "results": results}, f, indent=1)
+        shutil.rmtree(os.path.dirname(src), ignore_errors=True)
+
+
+def main():
+    quick = os.environ.get("BENCH_QUICK", "0") not in ("", "0")
+    out = os.environ.get("BENCH_DIR") or os.path.join(ROOT, "bench-results", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    only = os.environ.get("BENCH_ONLY", "")  # e.g. "allreduce,ckpt": a subset by name prefix
+    launches = [x for x in plan(quick, out) if not only or x[0].startswith(tuple(only.split(",")))]
+    print(f"bench: {len(launches)} launches{' (quick)' if quick else ''}; results in {out}", flush=True)
+    log, t0 = [], time.time()
+    for name, n, args, timeout in launches:
+        print(f"[{time.time() - t0:5.0f} s] {name} ({n} ranks)", flush=True)
+        run(name, n, args, timeout, out, log)
+        fold_checkpoint_io(out)
+        with open(os.path.join(out, "launches.json"), "w") as f:
+            json.dump({"quick": quick, "launches": log, "load_avg_end": os.getloadavg()}, f, indent=1)
+    sys.path.insert(0, HERE)
+    from report import render
+
+    table = render(out)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table)
+    print(table)
+    print(f"bench: {time.time() - t0:.0f} s; results in {out}")
+    return 1 if any(e["rc"] != 0 for e in log) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
