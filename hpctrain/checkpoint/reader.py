@@ -8,7 +8,6 @@
 * :func:`verify_file` (one process): every checksum, for ``hpctrain ckpt verify``.
 """
 import logging
-import math
 
 import numpy as np
 
@@ -18,8 +17,7 @@ from .writer import agree, combine_checksums
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-EXCHANGE_BYTES = 64 << 20  # per rank per round: keeps MPI counts and buffers small
-VERIFY_BYTES = 64 << 20  # rows read at a time when only checksumming
+VERIFY_BYTES = 32 << 20  # bytes read at a time when only checksumming (one reused buffer)
 
 
 def _attr(value):
@@ -116,47 +114,42 @@ def _flat(array):
     return array.reshape(-1).view(np.uint8)
 
 
-def _stream_copy(views, offset, buf, into_buf):
-    """Copy between ``buf`` and bytes ``[offset, offset+len(buf))`` of the concatenation of
-    ``views`` (in either direction)."""
-    pos, lo, hi = 0, offset, offset + len(buf)
-    for view in views:
-        end = pos + view.nbytes
-        if end > lo and pos < hi:
-            a, b = max(lo, pos), min(hi, end)
-            if into_buf:
-                buf[a - lo:b - lo] = view[a - pos:b - pos]
-            else:
-                view[a - pos:b - pos] = buf[a - lo:b - lo]
-        pos = end
-        if pos >= hi:
-            break
+# MPI counts and displacements are C ints: datasets larger than this travel in pieces.
+MPI_MAX_BYTES = (1 << 31) - 1
+BCAST_BYTES = 1 << 30
 
 
-def exchange(arrays, plan, comm, round_bytes=EXCHANGE_BYTES):
-    """Every rank holds the pieces ``plan`` gives it; afterwards every rank holds all."""
+def _bcast_bytes(view, root, comm):
     from mpi4py import MPI
 
-    rank, size = comm.Get_rank(), comm.Get_size()
+    for start in range(0, view.nbytes, BCAST_BYTES):
+        comm.Bcast([view[start:start + BCAST_BYTES], MPI.BYTE], root=root)
+
+
+def exchange(arrays, plan, comm):
+    """Every rank holds the pieces ``plan`` gives it; afterwards every rank holds all.
+
+    The bytes move in place, straight into ``arrays``: one ``Allgatherv`` (``MPI_IN_PLACE``)
+    per split dataset, one ``Bcast`` from its owner per whole one. No staging buffers."""
+    from mpi4py import MPI
+
+    size = comm.Get_size()
     if size == 1:
         return
-    streams = [[] for _ in range(size)]
     for array, pieces in zip(arrays, plan):
+        flat = _flat(array)
+        if len(pieces) == 1:
+            _bcast_bytes(flat, pieces[0][0], comm)
+            continue
         rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
-        for r, start, stop in pieces:
-            streams[r].append(_flat(array)[start * rb:stop * rb])
-    lengths = [sum(v.nbytes for v in s) for s in streams]
-    rounds = max(math.ceil(n / round_bytes) for n in lengths)
-    for t in range(rounds):
-        counts = [max(0, min(round_bytes, n - t * round_bytes)) for n in lengths]
-        displs = [sum(counts[:r]) for r in range(size)]
-        send = np.empty(counts[rank], dtype=np.uint8)
-        _stream_copy(streams[rank], t * round_bytes, send, into_buf=True)
-        recv = np.empty(sum(counts), dtype=np.uint8)
-        comm.Allgatherv([send, MPI.BYTE], [recv, counts, displs, MPI.BYTE])
-        for r in range(size):
-            if r != rank and counts[r]:
-                _stream_copy(streams[r], t * round_bytes, recv[displs[r]:displs[r] + counts[r]], into_buf=False)
+        if flat.nbytes <= MPI_MAX_BYTES:
+            counts, displs = [0] * size, [0] * size
+            for r, start, stop in pieces:
+                counts[r], displs[r] = (stop - start) * rb, start * rb
+            comm.Allgatherv(MPI.IN_PLACE, [flat, counts, displs, MPI.BYTE])
+        else:
+            for r, start, stop in pieces:
+                _bcast_bytes(flat[start * rb:stop * rb], r, comm)
 
 
 def _read_pieces(f, paths, arrays, plan, rank):
@@ -233,18 +226,31 @@ def read_arrays(header, comm, parallel, keep=None, verify=True):
     return {p: a for p, a in zip(paths, arrays)}
 
 
-def _crc_rows(dset, start, stop, shape, dtype):
-    """CRC-32 of rows [start, stop) read a block at a time (memory stays bounded)."""
-    rb = fmt.row_bytes(shape, dtype.itemsize)
+def _scratch(shapes):
+    """One buffer for every block read while checksumming: fresh memory costs page faults
+    on every touch, a reused buffer only once."""
+    need = VERIFY_BYTES
+    for shape, dtype in shapes:
+        need = max(need, fmt.row_bytes(shape, dtype.itemsize))
+    return np.empty(need, dtype=np.uint8)
+
+
+def _crc_rows(dset, start, stop, shape, dtype, scratch):
+    """CRC-32 of rows [start, stop) of ``dset``, read a block at a time into ``scratch``."""
     if len(shape) == 0:
         return fmt.crc32_bytes(dset[()]), dtype.itemsize
-    block = max(1, VERIFY_BYTES // max(1, rb))
+    rb = fmt.row_bytes(shape, dtype.itemsize)
+    block = max(1, scratch.nbytes // max(1, rb))
     crc, total = 0, 0
     for a in range(start, stop, block):
         b = min(stop, a + block)
-        part = dset[a:b]
-        crc = fmt.crc32_combine(crc, fmt.crc32_bytes(part), part.nbytes)
-        total += part.nbytes
+        n = (b - a) * rb
+        if n == 0:
+            continue
+        part = scratch[:n].view(dtype).reshape((b - a,) + tuple(shape[1:]))
+        dset.read_direct(part, np.s_[a:b])
+        crc = fmt.crc32_combine(crc, fmt.crc32_bytes(part), n)
+        total += n
     return crc, total
 
 
@@ -260,11 +266,12 @@ def verify_written(path, expected, comm, parallel):
             f = open_for_read(path, comm, parallel)
             shapes = [(f[p].shape, f[p].dtype) for p in paths]
             plan = fmt.plan_pieces([(s, d.itemsize) for s, d in shapes], nreaders)
+            scratch = _scratch([sd for sd, pieces in zip(shapes, plan) if any(r == rank for r, _, _ in pieces)])
             for i, (p, (shape, dtype), pieces) in enumerate(zip(paths, shapes, plan)):
                 rb = fmt.row_bytes(shape, dtype.itemsize)
                 for r, start, stop in pieces:
                     if r == rank:
-                        crc, nbytes = _crc_rows(f[p], start, stop, shape, dtype)
+                        crc, nbytes = _crc_rows(f[p], start, stop, shape, dtype, scratch)
                         sums.append((i, start * rb, nbytes, crc))
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
@@ -289,11 +296,12 @@ def verify_file(path):
         return [str(exc).split("\nHINT:")[0]]
     problems = []
     try:
+        scratch = _scratch([(shape, np.dtype(dtype)) for shape, dtype, _ in header.datasets.values()])
         with h5py.File(path, "r") as f:
             for name, (shape, dtype, attrs) in sorted(header.datasets.items()):
                 try:
                     dset = f[name]
-                    crc, _ = _crc_rows(dset, 0, shape[0] if shape else 1, shape, np.dtype(dtype))
+                    crc, _ = _crc_rows(dset, 0, shape[0] if shape else 1, shape, np.dtype(dtype), scratch)
                 except Exception as exc:
                     problems.append(f"/{name}: cannot be read ({type(exc).__name__}: {exc})")
                     continue
