@@ -107,20 +107,22 @@ def create_layout(f, snap, checksums):
     return dsets
 
 
-# Rows per collective write call: h5py holds the GIL for a whole call, so bounded calls
-# let the training thread run between them while a background save writes.
+# Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
+# calls small enough for the training thread to run between them; a save in the foreground
+# makes fewer, larger calls (each collective call waits for the slowest rank).
 CALL_BYTES = 32 << 20
+FOREGROUND_CALL_BYTES = 512 << 20
 
 
-def _rows_per_call(array):
-    return max(1, CALL_BYTES // max(1, fmt.row_bytes(array.shape, array.dtype.itemsize)))
+def _rows_per_call(array, call_bytes=CALL_BYTES):
+    return max(1, call_bytes // max(1, fmt.row_bytes(array.shape, array.dtype.itemsize)))
 
 
-def _calls(array, pieces):
+def _calls(array, pieces, call_bytes=CALL_BYTES):
     """Collective calls for one dataset: the same number on every rank (from the plan)."""
     if array.ndim == 0:
         return 1
-    step = _rows_per_call(array)
+    step = _rows_per_call(array, call_bytes)
     return max(1, max(-(-(b - a) // step) for _, a, b in pieces))
 
 
@@ -142,8 +144,23 @@ def write_empty(dset):
     dset.id.write(mspace, fspace, np.zeros(1, dtype=dset.dtype), dxpl=dxpl)
 
 
-def write_parallel(path, snap, comm):
-    """All ranks write ``snap`` into a new file ``path`` (collective)."""
+def _write_rows(dset, array, start, stop, step):
+    """Independent writes of rows [start, stop), ``step`` rows a call."""
+    if array.ndim == 0:
+        dset[()] = array
+        return
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        dset[lo:hi] = array[lo:hi]
+
+
+def write_parallel(path, snap, comm, call_bytes=CALL_BYTES):
+    """All ranks write ``snap`` into a new file ``path`` (collective).
+
+    Datasets split among ranks are written in collective calls of up to ``call_bytes``
+    per rank; a dataset that one rank holds whole is written by that rank alone
+    (independent I/O), so small tensors cost no collective call and no rank waits on
+    another's small write."""
     import h5py
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -164,30 +181,42 @@ def write_parallel(path, snap, comm):
         except Exception as exc:
             errors.append(f"creating datasets: {_describe(exc)}")
         agree(errors, comm, path, "creating datasets in")
+        alone = []
         for entry, dset, pieces in zip(entries, dsets, plan):
-            mine = [(a, b) for r, a, b in pieces if r == rank and (entry.array.ndim == 0 or b > a)]
+            if len(pieces) == 1:
+                try:
+                    _check_fault(entry.path, rank)  # the hook fails the named rank, owner or not
+                    if pieces[0][0] == rank:
+                        alone.append((entry, dset, pieces[0]))
+                except OSError as exc:
+                    errors.append(f"writing /{entry.path}: {_describe(exc)}")
+                continue
+            mine = [(a, b) for r, a, b in pieces if r == rank and b > a]
             try:
                 _check_fault(entry.path, rank)
             except OSError as exc:
                 errors.append(f"writing /{entry.path}: {_describe(exc)}")
                 mine = []  # still enter the collectives, with nothing
-            step = _rows_per_call(entry.array)
-            for call in range(_calls(entry.array, pieces)):
+            step = _rows_per_call(entry.array, call_bytes)
+            for call in range(_calls(entry.array, pieces, call_bytes)):
                 part = None
                 if mine:
                     a, b = mine[0]
                     lo, hi = a + call * step, min(b, a + (call + 1) * step)
-                    part = (lo, hi) if hi > lo or entry.array.ndim == 0 else None
+                    part = (lo, hi) if hi > lo else None
                 try:
                     with dset.collective:
                         if part is None:
                             write_empty(dset)
-                        elif entry.array.ndim == 0:
-                            dset[()] = entry.array
                         else:
                             dset[part[0]:part[1]] = entry.array[part[0]:part[1]]
                 except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
                     errors.append(f"writing /{entry.path}: {_describe(exc)}")
+        for entry, dset, (_, a, b) in alone:
+            try:
+                _write_rows(dset, entry.array, a, b, _rows_per_call(entry.array, call_bytes))
+            except Exception as exc:
+                errors.append(f"writing /{entry.path}: {_describe(exc)}")
         failed = bool(comm.allreduce(len(errors)))
         if failed and rank == 0:
             # The file is garbage now. Truncating it gives back the space a full disk
@@ -252,8 +281,8 @@ def write_serial(path, snap):
     return checksums
 
 
-def write_file(path, snap, comm, parallel):
+def write_file(path, snap, comm, parallel, call_bytes=CALL_BYTES):
     """Write ``snap`` to ``path`` on every rank's behalf; the same outcome on all ranks."""
     if parallel:
-        return write_parallel(path, snap, comm)
+        return write_parallel(path, snap, comm, call_bytes)
     return on_root(lambda: write_serial(path, snap), comm)
