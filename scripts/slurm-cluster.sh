@@ -161,6 +161,12 @@ stop() {
   fi
   stop_pidfile "$DIR/run/slurmd.pid"
   stop_pidfile "$DIR/run/slurmctld.pid"
+  # a step daemon stuck on a job that would not die outlives slurmd: end ours, by their config
+  local pid
+  for pid in $(pgrep -x slurmstepd || true); do
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "SLURM_CONF=$DIR/slurm.conf" \
+      && kill -KILL "$pid" 2>/dev/null || true
+  done
   stop_pidfile "$DIR/munge/munged.pid"
   say "stopped the cluster in $DIR"
 }
