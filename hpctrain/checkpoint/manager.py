@@ -101,8 +101,35 @@ def _remove_quietly(path):
 
 # ---------------------------------------------------------------- replicas
 
+SAMPLE = 4096  # elements per tensor that enter the fingerprint's CRC
+
+
+def _fingerprint(tensor):
+    """``(sum, crc)`` of one tensor, cheap and exact: the sum of its raw bytes read as
+    int32 words with wrapping addition (so it depends neither on summation order nor on
+    the thread count, and NaNs compare equal) sees every element; the CRC of a strided
+    sample catches changes that keep the sum. One vectorised pass, no copy, and on a GPU
+    only the sample leaves the device."""
+    import torch
+
+    with torch.no_grad():
+        flat = tensor.detach().reshape(-1).contiguous()
+        if flat.numel() == 0:
+            return (0, 0)
+        raw = flat.view(torch.uint8) if flat.element_size() > 1 or flat.dtype == torch.bool else flat
+        if flat.is_complex():
+            raw = torch.view_as_real(flat).reshape(-1).view(torch.uint8)
+        try:
+            words = raw.view(torch.int32)
+            total = int(torch.sum(words, dtype=torch.int32))
+        except RuntimeError:  # not a whole number of aligned words: sum the bytes instead
+            total = int(torch.sum(raw.to(torch.uint8), dtype=torch.int64))
+        sample = raw[::max(1, raw.numel() // SAMPLE)].contiguous().cpu().numpy()
+    return (total, fmt.crc32_bytes(sample))
+
+
 def _model_checksums(model):
-    return [fmt.crc32_bytes(snapshot.tensor_to_array(t, copy=False)[0]) for t in model.state_dict().values()]
+    return [_fingerprint(t) for t in model.state_dict().values()]
 
 
 def _bcast_array(array, comm, chunk=1 << 30):
@@ -165,11 +192,13 @@ def _prepare(final, comm, run_config, metrics, reason, step, parallel):
     return {"final": final, "tmp": tmp, "meta": meta, "rng": snapshot.rng_states()}
 
 
-def write_verified(snap, info, comm, parallel, verify):
-    """Collective: write the temp file and check it; remove it on any failure."""
+def write_verified(snap, info, comm, parallel, verify, background=False):
+    """Collective: write the temp file and check it; remove it on any failure.
+    ``background``: small write calls, so that training runs between them."""
     tmp = info["tmp"]
+    call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
     try:
-        checksums = writer.write_file(tmp, snap, comm, parallel)
+        checksums = writer.write_file(tmp, snap, comm, parallel, call_bytes)
         if verify:
             expected = {e.path: c for e, c in zip(snap.entries, checksums)}
             reader.verify_written(tmp, expected, comm, parallel)
@@ -289,6 +318,7 @@ class CheckpointManager:
         self._thread = None
         self._bg_error = None
         self._bg_comm = None
+        self._host_buffers = {}  # async snapshots' host memory, kept for the next save
         self.last_path = None
 
     # -- resume
@@ -372,7 +402,8 @@ class CheckpointManager:
                        self.comm)
         metric = (metrics or {}).get(self.cfg.best_metric)
         background = self.cfg.async_save and self._threads_ok()
-        snap = snapshot.take_snapshot(state, info, copy=background)
+        snap = snapshot.take_snapshot(state, info, copy=background,
+                                      buffers=self._host_buffers if background else None)
         if background:
             self._last_step = step
             if self._bg_comm is None:
@@ -406,7 +437,7 @@ class CheckpointManager:
             self._bg_error = exc
 
     def _write_commit(self, snap, info, metric, comm):
-        write_verified(snap, info, comm, self.parallel, self.cfg.verify)
+        write_verified(snap, info, comm, self.parallel, self.cfg.verify, background=comm is self._bg_comm)
         on_root(lambda: self._commit(info, metric), comm)
 
     def _commit(self, info, metric):
@@ -471,6 +502,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._host_buffers = {}
             if self._bg_comm is not None:
                 self._bg_comm.Free()
                 self._bg_comm = None

@@ -159,16 +159,46 @@ def set_rng_states(rng):
 
 # ---------------------------------------------------------------- taking a snapshot
 
-def take_snapshot(state, root_info, copy):
+def _private(path, tensor, copy, buffers):
+    """The array for ``tensor``; with ``copy``, in memory training will not touch: the
+    buffer ``buffers`` kept for ``path`` from the previous save when it still fits, since
+    fresh memory costs a page fault per page on top of the copy."""
+    if not copy or buffers is None:
+        return tensor_to_array(tensor, copy)
+    array, dtype = tensor_to_array(tensor, copy=False)
+    if tensor.device.type != "cpu":
+        return array, dtype  # .cpu() made it private already
+    buf = buffers.get(path)
+    if buf is None or buf.shape != array.shape or buf.dtype != array.dtype:
+        buf = np.empty_like(array)
+    np.copyto(buf, array)
+    return buf, dtype
+
+
+def take_snapshot(state, root_info, copy, buffers=None):
     """Arrays and attributes of a checkpoint of ``state``.
 
     ``root_info``: ``{"meta": root attributes, "rng": rank 0's RNG states}`` from rank 0.
-    ``copy``: copy tensors to private host memory (asynchronous saves).
+    ``copy``: copy tensors to private host memory (asynchronous saves). ``buffers``: a dict
+    (path -> array) of host buffers to copy into, reused from one save to the next; it is
+    updated to hold exactly this snapshot's buffers. Only reuse it once the previous
+    snapshot has been written.
     """
     entries, groups = [], {}
+    old = dict(buffers) if buffers is not None else None
+    if buffers is not None:
+        buffers.clear()
+
+    def array_of(path, tensor):
+        array, dtype = _private(path, tensor, copy, old)
+        if buffers is not None and copy:
+            buffers[path] = array
+        return array, dtype
+
     for name, tensor in state.model.state_dict().items():
-        array, dtype = tensor_to_array(tensor, copy)
-        entries.append(Entry(f"{fmt.MODEL}/{fmt.param_key(name)}", array, {fmt.DTYPE_ATTR: dtype}))
+        path = f"{fmt.MODEL}/{fmt.param_key(name)}"
+        array, dtype = array_of(path, tensor)
+        entries.append(Entry(path, array, {fmt.DTYPE_ATTR: dtype}))
 
     opt = state.optimizer.state_dict() if state.optimizer is not None else {"state": {}, "param_groups": []}
     names = optimizer_param_names(state.model, state.optimizer) if state.optimizer is not None else []
@@ -189,7 +219,7 @@ def take_snapshot(state, root_info, copy):
         for key in sorted(opt["state"][index]):
             value = opt["state"][index][key]
             if hasattr(value, "detach"):
-                array, dtype = tensor_to_array(value, copy)
+                array, dtype = array_of(f"{group_path}/{key}", value)
                 entries.append(Entry(f"{group_path}/{key}", array, {fmt.DTYPE_ATTR: dtype}))
             else:
                 values[key] = value
