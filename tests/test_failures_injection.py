@@ -106,8 +106,9 @@ def reference(tmp_path_factory, digits):
     assert step == STEPS
     saves = counts[0]["replace"] // 2  # rank 0 renames each checkpoint, then `latest`
     assert saves == len(checkpoint_steps()), counts
-    return {"path": path, "loss": final_loss(result.stdout), "counts": counts,
-            "writes_per_save": {r: c["h5write"] // saves for r, c in counts.items()}}
+    per_save = {r: c["h5write"] // saves for r, c in counts.items()}
+    assert min(per_save.values()) >= 1, f"a rank writes no dataset in a save, nowhere to kill it: {counts}"
+    return {"path": path, "loss": final_loss(result.stdout), "counts": counts, "writes_per_save": per_save}
 
 
 def kill_plan(scenario, reference):
