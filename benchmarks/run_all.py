@@ -9,7 +9,6 @@ Every launch has a timeout; a failed one is reported and the others still run.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -63,13 +62,8 @@ def plan(quick, out):
                              + (steps if quick else ["--steps", "12", "--warmup", "3", "--block", "4"])
                              + j(name), 240 if quick else 400))
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
-            else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "1"])
+            else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
-    # The checkpoint developer's own benchmark, when present: its JSON goes into the same
-    # directory (BENCH_OUT) and is shown as it is.
-    if os.path.exists(os.path.join(HERE, "checkpoint_io.py")):
-        launches.append(("checkpoint_io", 2, ["checkpoint_io.py", "--gib", "0.125" if quick else "1.0",
-                                              "--dir", os.path.join(out, "checkpoint_io")], 300 if quick else 900))
     return launches
 
 
@@ -95,17 +89,6 @@ def run(name, n, args, timeout, out, log):
     log.append(entry)
 
 
-def fold_checkpoint_io(out):
-    """checkpoint_io.py writes DIR/results.json: keep it beside the others, as they are written."""
-    src = os.path.join(out, "checkpoint_io", "results.json")
-    if os.path.exists(src):
-        with open(src) as f:
-            results = json.load(f)
-        with open(os.path.join(out, "checkpoint_io.json"), "w") as f:
-            json.dump({"benchmark": "checkpoint_io", "results": results}, f, indent=1)
-        shutil.rmtree(os.path.dirname(src), ignore_errors=True)
-
-
 def main():
     quick = os.environ.get("BENCH_QUICK", "0") not in ("", "0")
     out = os.environ.get("BENCH_DIR") or os.path.join(ROOT, "bench-results", time.strftime("%Y%m%d-%H%M%S"))
@@ -117,7 +100,6 @@ def main():
     for name, n, args, timeout in launches:
         print(f"[{time.time() - t0:5.0f} s] {name} ({n} ranks)", flush=True)
         run(name, n, args, timeout, out, log)
-        fold_checkpoint_io(out)
         with open(os.path.join(out, "launches.json"), "w") as f:
             json.dump({"quick": quick, "launches": log, "load_avg_end": os.getloadavg()}, f, indent=1)
     sys.path.insert(0, HERE)

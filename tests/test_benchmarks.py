@@ -77,6 +77,8 @@ def test_ckpt_io(tmp_path):
         assert m["save_s"] > 0 and m["peak_extra_bytes"] >= 0
         assert m["file_bytes"] >= 0.9 * r["state_bytes"], name  # the whole state was written
         assert (m["load_s"] is None) == (name == "hpctrain_noverify")
+        assert (m["load_warm_s"] is None) == (name == "hpctrain_noverify")
+        assert m["load_warm_s"] is None or m["load_warm_s"] > 0
     for mode in ("sync", "async"):
         s = r["stall"][mode]
         assert s["total_s"] > 0 and s["blocking_s"] >= 0 and s["baseline_s"] > 0
