@@ -108,6 +108,7 @@ class LoopConfig:
     precision: str = "fp32"  # fp32, bf16 (CPU or GPU), fp16 (GPU only, with a GradScaler)
     eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
     eval_batch_size: int = 0  # 0: batch_size
+    step_timeout: float = 0.0  # seconds; a longer step aborts the job (0: HPCTRAIN_WATCHDOG_TIMEOUT, else off)
 
 
 @dataclass
@@ -370,7 +371,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
         positive(f"train.{name}", getattr(t, name))
     positive("train.lr", t.lr)
     for name in ("max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
-                 "eval_every", "eval_batch_size"):
+                 "eval_every", "eval_batch_size", "step_timeout"):
         positive(f"train.{name}", getattr(t, name), zero_ok=True)
     if t.global_batch_size:
         per_step = world_size * t.accumulation

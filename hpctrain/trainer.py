@@ -33,13 +33,14 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from . import settings
+from . import runlock, settings
 from .config import TrainConfig, load_config, validate
 from .coordination import abort_on_exception, all_or_none, any_rank, on_root
 from .errors import ConfigError
 from .monitor import Monitor, build_callbacks
 from .state import Progress, TrainState
 from .timing import PhaseTimer
+from .watchdog import Watchdog
 
 # Exit status of `hpctrain train` when it stopped because a stop was requested (after saving).
 STOP_EXIT_CODE = 3
@@ -145,6 +146,8 @@ class Trainer:
                   f"ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; run dir {run_dir}")
 
         metrics, last_loss, stopped, evaluated_at = {}, None, False, None
+        # A step that outlives step_timeout (a rank stuck in a collective) ends the whole job.
+        watchdog = Watchdog(t.step_timeout or None, comm=comm, where=world.where())
         model.train()
         while progress.epoch < t.epochs and not stopped:
             for micro_batches in sampler.steps(progress.epoch, progress.samples_in_epoch, world.rank):
@@ -152,7 +155,8 @@ class Trainer:
                     break
                 timer.start_step()
                 lr = _set_lr(optimizer, base_lr, t.warmup_steps, progress.step)
-                last_loss = self._train_step(micro_batches, train, loss_fn, timer, cfg, world)
+                with watchdog.step(progress.step + 1):
+                    last_loss = self._train_step(micro_batches, train, loss_fn, timer, cfg, world)
                 progress.step += 1
                 progress.samples_in_epoch += sampler.global_batch
                 step_metrics = {"loss": last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
@@ -190,9 +194,12 @@ class Trainer:
             self._save(checkpoints, final=True, metrics=metrics or None)
         for cb in callbacks:
             _call(cb, "on_end", state)
+        watchdog.close()
         if checkpoints is not None:
             checkpoints.close()
         backend.close()
+        if world.is_root:
+            runlock.release(run_dir)
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self._log(f"{'stopped' if stopped else 'done'} at step {progress.step}, epoch {progress.epoch}: "
                   f"train loss {train_loss if train_loss is None else round(train_loss, 4)} {shown}")
@@ -341,6 +348,8 @@ def _make_run_dir(cfg, world, backend):
             n += 1
             path = f"{base}-{n}"
     os.makedirs(path, exist_ok=True)
+    # One job per run directory: a second job stops here, before it overwrites anything.
+    runlock.acquire(path)
     resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
     with open(os.path.join(path, "config.toml"), "w") as f:
         f.write(f"# resolved configuration of this run: {world.size} ranks ({world.launcher}), "

@@ -2,7 +2,6 @@
 cluster, training the digits example: outputs, run directories and checkpoints are checked,
 not just exit codes. Preemption: a job warned with SIGUSR1 mid-run checkpoints, requeues
 itself, resumes and ends with the same parameters, bit for bit, as an uninterrupted run."""
-import inspect
 import os
 import subprocess
 import time
@@ -16,19 +15,6 @@ from mpi_harness import PYTHON, ROOT
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 JOB_TIMEOUT = 300
-
-
-def _cli_uses(name):
-    """Whether `hpctrain train` wires in hpctrain.<name> (preemption, watchdog, runlock)."""
-    from hpctrain import trainer
-
-    return name in inspect.getsource(trainer)
-
-
-def needs_cli(name, what):
-    # not run while missing: it would only wait out a job timeout
-    return pytest.mark.xfail(not _cli_uses(name), run=False,
-                             reason=f"`hpctrain train` does not use hpctrain.{name} yet: {what}")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +134,6 @@ def wait_for_step(cluster, tmp_path, job, step, timeout=JOB_TIMEOUT):
     cluster.wait_for(reached, timeout, f"job {job} to reach step {step}", poll=0.2)
 
 
-@needs_cli("preemption", "the ranks die of SIGUSR1 instead of saving and exiting 3")
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(slurm_cluster, job_env, tmp_path, digits):
     reference_dir = tmp_path / "reference"
     ref = submit(slurm_cluster, "train.sbatch", long_run(digits), dict(job_env, RUN_DIR=str(reference_dir)),
@@ -211,7 +196,6 @@ def test_exception_on_one_rank_ends_the_job(slurm_cluster, job_env, tmp_path, di
     assert _seconds(record) < 60, record
 
 
-@needs_cli("watchdog", "a hung rank keeps the job until its time limit")
 def test_hung_rank_is_ended_by_the_watchdog(slurm_cluster, job_env, tmp_path, digits):
     env = dict(job_env, HPCTRAIN_VENV=str(_injecting_venv(tmp_path)), PYTHONPATH=str(ROOT),
                FAIL_RANK="0", FAIL_AT="backward:15", FAIL_ACTION="sleep", HPCTRAIN_WATCHDOG_TIMEOUT="5")
@@ -223,7 +207,6 @@ def test_hung_rank_is_ended_by_the_watchdog(slurm_cluster, job_env, tmp_path, di
     assert _seconds(record) < 60, record
 
 
-@needs_cli("runlock", "a second job writes into the first one's run directory")
 def test_second_job_on_the_same_run_dir_fails_and_overwrites_nothing(slurm_cluster, job_env, tmp_path, digits):
     run_dir = tmp_path / "shared-run"
     env = dict(job_env, RUN_DIR=str(run_dir))
