@@ -10,10 +10,8 @@ Horovod are imported only to check that their compiled parts really load.
 """
 import argparse
 import json
-import os
 import platform
 import shutil
-import socket
 import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata

@@ -1,5 +1,4 @@
 """Run under mpirun: on_root/all_or_none hand every rank the same result or error."""
-import sys
 
 from mpi4py import MPI
 
