@@ -18,6 +18,13 @@ from .errors import HpctrainError, RemoteError
 log = logging.getLogger("hpctrain")
 
 
+def _say(text):
+    """One write per message: ranks share the launcher's stderr, and print() writes the
+    newline apart, so two ranks' messages could run together on one line."""
+    sys.stderr.flush()
+    os.write(2, (text + "\n").encode(errors="replace"))
+
+
 def _describe(rank, exc):
     return f"rank {rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
 
@@ -122,14 +129,13 @@ def abort_on_exception(comm, where=None):
         code = getattr(exc, "exit_code", 1)
         if isinstance(exc, HpctrainError):
             if not collective:
-                print(f"hpctrain: error on rank {rank} ({host}): {exc}", file=sys.stderr, flush=True)
+                _say(f"hpctrain: error on rank {rank} ({host}): {exc}")
             elif rank == 0:  # the same error on every rank: say it once
-                print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+                _say(f"hpctrain: error: {exc}")
         elif not isinstance(exc, RemoteError):
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             ending = "" if collective else f"; aborting all {size} ranks"
-            print(f"hpctrain: unhandled exception on rank {rank} ({host}){ending}\n{text}",
-                  file=sys.stderr, flush=True)
+            _say(f"hpctrain: unhandled exception on rank {rank} ({host}){ending}\n{text}")
         if not collective:
             abort_job(comm, 1)
         raise SystemExit(code)

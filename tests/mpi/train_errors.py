@@ -5,6 +5,7 @@
 Prints ``rank R: <ExceptionType>: <message>`` on every rank, so a test can check that all
 ranks failed the same way (and that none hung waiting for another).
 """
+import os
 import sys
 
 import numpy as np
@@ -21,9 +22,11 @@ def main(overrides):
                                  "run.root=/tmp/hpctrain-test-errors", *overrides])
         Trainer(cfg, train_data=data, world=world, checkpoints=None).fit()
     except HpctrainError as exc:
-        print(f"rank {world.rank}: {type(exc).__name__}: {' | '.join(str(exc).splitlines())}", flush=True)
+        # one write per line: the ranks share mpirun's stdout, and print() writes the
+        # newline apart, so lines of two ranks could run together
+        os.write(1, f"rank {world.rank}: {type(exc).__name__}: {' | '.join(str(exc).splitlines())}\n".encode())
         return exc.exit_code
-    print(f"rank {world.rank}: no error", flush=True)
+    os.write(1, f"rank {world.rank}: no error\n".encode())
     return 0
 
 
