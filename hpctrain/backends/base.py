@@ -52,7 +52,11 @@ class Backend:
 
     def step(self, optimizer, scaler=None):
         """Apply the averaged gradients (after :meth:`synchronize`)."""
-        raise NotImplementedError
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
 
     # ---- small collectives
     def allreduce_mean(self, value):

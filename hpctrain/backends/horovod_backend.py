@@ -59,11 +59,7 @@ class HorovodBackend(Backend):
     def step(self, optimizer, scaler=None):
         # Gradients are already averaged by synchronize(); do not wait for them twice.
         with optimizer.skip_synchronize():
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
+            super().step(optimizer, scaler)
 
     def allreduce_mean(self, value):
         import torch

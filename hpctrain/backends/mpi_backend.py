@@ -154,13 +154,6 @@ class MPIBackend(Backend):
         else:
             self.comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
 
-    def step(self, optimizer, scaler=None):
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-
     # ---- small collectives
     def allreduce_mean(self, value):
         import torch

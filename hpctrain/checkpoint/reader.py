@@ -209,11 +209,7 @@ def read_arrays(header, comm, parallel, keep=None, verify=True):
         except Exception as exc:
             errors.append(f"opening: {type(exc).__name__}: {exc}")
         finally:
-            if f is not None:
-                try:
-                    f.close()
-                except Exception as exc:
-                    errors.append(f"closing: {type(exc).__name__}: {exc}")
+            _close(f, errors)
     try:
         agree(errors, comm, header.path, "reading")
     except CheckpointError as exc:
@@ -233,6 +229,15 @@ def _scratch(shapes):
     for shape, dtype in shapes:
         need = max(need, fmt.row_bytes(shape, dtype.itemsize))
     return np.empty(need, dtype=np.uint8)
+
+
+def _close(f, errors):
+    """Close ``f`` if open; a failure becomes one more entry of ``errors``."""
+    if f is not None:
+        try:
+            f.close()
+        except Exception as exc:
+            errors.append(f"closing: {type(exc).__name__}: {exc}")
 
 
 def _crc_rows(dset, start, stop, shape, dtype, scratch):
@@ -276,11 +281,7 @@ def verify_written(path, expected, comm, parallel):
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
         finally:
-            if f is not None:
-                try:
-                    f.close()
-                except Exception as exc:
-                    errors.append(f"closing: {type(exc).__name__}: {exc}")
+            _close(f, errors)
     agree(errors, comm, path, "verifying")
     found = combine_checksums(comm.allgather(sums), len(paths))
     _mismatches(path, paths, [expected[p] for p in paths], found)
