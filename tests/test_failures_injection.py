@@ -165,6 +165,7 @@ def test_kill_one_rank_repeatedly_then_resume(tmp_path, digits, reference, scena
     assert sorted(got) == sorted(want)
     identical = all(got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]) for k in want)
     leftovers = sorted(p.name for p in path.parent.iterdir() if ".tmp" in p.name)
+    assert leftovers == [], leftovers  # each resume removed what the killed saves left
     summary = {"scenario": scenario, "kills": len(trials), "trials": trials,
                "final_loss": final_loss(result.stdout), "reference_loss": reference["loss"],
                "bitwise_identical_to_reference": identical, "temp_files_left": leftovers}

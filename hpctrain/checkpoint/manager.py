@@ -323,6 +323,18 @@ class CheckpointManager:
 
     # -- resume
 
+    def _remove_stale_temps(self):
+        """Delete temp files that a killed save left behind. Safe at resume: nothing of this
+        run is being written yet, and the run lock keeps other jobs out of the directory."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if fmt.TMP_MARK in name and (name.startswith("ckpt-") or name.startswith(fmt.LATEST)):
+                log.warning("removing %s, left by a save that did not finish", name)
+                _remove_quietly(os.path.join(self.directory, name))
+
     def _candidates(self):
         names = [n for _, n in scan(self.directory)]
         latest = read_latest(self.directory)
@@ -340,6 +352,7 @@ class CheckpointManager:
         is skipped with a warning naming the problem. ``"none"``: start fresh. A path: that
         file, no fallback.
         """
+        on_root(self._remove_stale_temps, self.comm)
         mode = self.cfg.resume
         if mode == "none":
             return False
