@@ -210,18 +210,25 @@ def test_hung_rank_is_ended_by_the_watchdog(slurm_cluster, job_env, tmp_path, di
 def test_second_job_on_the_same_run_dir_fails_and_overwrites_nothing(slurm_cluster, job_env, tmp_path, digits):
     run_dir = tmp_path / "shared-run"
     env = dict(job_env, RUN_DIR=str(run_dir))
-    first = submit(slurm_cluster, "train.sbatch", long_run(digits), env, tmp_path)
-    wait_for_step(slurm_cluster, tmp_path, first, 20)
-    config_before = (run_dir / "config.toml").read_bytes()
-    second = submit(slurm_cluster, "train.sbatch", quick(digits), env, tmp_path)
-    (rec2,) = slurm_cluster.wait(second, JOB_TIMEOUT)
-    out2 = output_of(tmp_path, second)
-    assert rec2["JobState"] == "FAILED", f"{rec2}\n{out2}"
-    assert f"run directory {run_dir} is in use by Slurm job {first}" in out2 and "HINT:" in out2
-    (rec1,) = slurm_cluster.wait(first, JOB_TIMEOUT)
-    assert_completed(rec1, output_of(tmp_path, first))
-    assert (run_dir / "config.toml").read_bytes() == config_before
-    assert latest_checkpoint(run_dir).name == f"ckpt-{LONG_STEPS:08d}.h5"
+    # The first job must still hold the directory when the second starts, however fast the
+    # machine: its rank 0 stops in step 25 until the job is cancelled.
+    holder = dict(env, HPCTRAIN_VENV=str(_injecting_venv(tmp_path)), PYTHONPATH=str(ROOT),
+                  FAIL_RANK="0", FAIL_AT="backward:25", FAIL_ACTION="sleep")
+    first = submit(slurm_cluster, "train.sbatch", long_run(digits), holder, tmp_path)
+    try:
+        wait_for_step(slurm_cluster, tmp_path, first, 20)
+        config_before = (run_dir / "config.toml").read_bytes()
+        checkpoints_before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        second = submit(slurm_cluster, "train.sbatch", quick(digits), env, tmp_path)
+        (rec2,) = slurm_cluster.wait(second, JOB_TIMEOUT)
+        out2 = output_of(tmp_path, second)
+        assert rec2["JobState"] == "FAILED", f"{rec2}\n{out2}"
+        assert f"run directory {run_dir} is in use by Slurm job {first}" in out2 and "HINT:" in out2
+        assert (run_dir / "config.toml").read_bytes() == config_before
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints_before
+    finally:
+        slurm_cluster.run(["scancel", first], check=False)
+    slurm_cluster.wait(first, JOB_TIMEOUT)
 
 
 def test_train_cli_under_srun_without_pmix_names_the_fix(slurm_cluster, tmp_path, digits):
