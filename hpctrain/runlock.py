@@ -37,19 +37,39 @@ class RunDirBusy(HpctrainError):
     """Another job is using this run directory."""
 
 
+# How long a lock held by a process of this host that is just ending (a rank that the
+# launcher is still tearing down after a crash) may take to go away before it counts as busy.
+SETTLE_SECONDS = 10.0
+
+
+def _proc_state(pid):
+    """(state letter, start time in clock ticks) of ``pid`` from /proc, or (None, None)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError, TypeError):
+        return None, None
+
+
 def _owner(environ=None):
     env = os.environ if environ is None else environ
     return {"slurm_job": slurm_job_id(env), "host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def _pid_alive(pid):
+def _pid_alive(pid, proc_start=None):
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except (PermissionError, ValueError, TypeError):
         return True  # exists but not ours, or unreadable: assume alive
+    state, start = _proc_state(pid)
+    if state in ("Z", "X"):  # exited, not yet reaped
+        return False
+    if proc_start is not None and start is not None and start != proc_start:
+        return False  # the pid now belongs to another process
     return True
 
 
@@ -74,7 +94,7 @@ def stale_reason(holder, me):
     """Why the lock of ``holder`` may be taken over by ``me``, or ``None`` if it may not."""
     if holder.get("slurm_job") and holder.get("slurm_job") == me.get("slurm_job"):
         return f"same Slurm job {me['slurm_job']} (requeued or restarted)"
-    if holder.get("host") == me.get("host") and not _pid_alive(holder.get("pid")):
+    if holder.get("host") == me.get("host") and not _pid_alive(holder.get("pid"), holder.get("proc_start")):
         return f"process {holder.get('pid')} on {holder.get('host')} no longer exists"
     if holder.get("slurm_job") and not _slurm_job_active(holder["slurm_job"]):
         return f"Slurm job {holder['slurm_job']} is no longer running"
@@ -94,7 +114,8 @@ def acquire(run_dir, environ=None):
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_NAME)
     me = _owner(environ)
-    for _ in range(3):
+    settle_until = time.monotonic() + SETTLE_SECONDS
+    for _ in range(3 + int(SETTLE_SECONDS / 0.25)):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -114,7 +135,11 @@ def acquire(run_dir, environ=None):
                                      hint=f"if no job uses {run_dir}, delete {path}")
             except FileNotFoundError:
                 continue  # released meanwhile: try again
-            if stale_reason(holder, me) is None:
+            reason = stale_reason(holder, me)
+            if reason is None and holder.get("host") == me["host"] and time.monotonic() < settle_until:
+                time.sleep(0.25)  # perhaps a crashed run's rank that is still being torn down
+                continue
+            if reason is None:
                 raise RunDirBusy(
                     f"run directory {run_dir} is in use by {_describe(holder)}",
                     hint=f"give this run its own directory; if that job is really gone, delete {path}")

@@ -214,9 +214,9 @@ def test_second_job_on_the_same_run_dir_fails_and_overwrites_nothing(slurm_clust
     # machine: its rank 0 stops in step 25 until the job is cancelled.
     holder = dict(env, HPCTRAIN_VENV=str(_injecting_venv(tmp_path)), PYTHONPATH=str(ROOT),
                   FAIL_RANK="0", FAIL_AT="backward:25", FAIL_ACTION="sleep")
-    first = submit(slurm_cluster, "train.sbatch", long_run(digits), holder, tmp_path)
+    first = submit(slurm_cluster, "train.sbatch", long_run(digits) + ["monitor.log_every=1"], holder, tmp_path)
     try:
-        wait_for_step(slurm_cluster, tmp_path, first, 20)
+        wait_for_step(slurm_cluster, tmp_path, first, 24)  # its last save is done: it only waits now
         config_before = (run_dir / "config.toml").read_bytes()
         checkpoints_before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
         second = submit(slurm_cluster, "train.sbatch", quick(digits), env, tmp_path)

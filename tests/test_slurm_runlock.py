@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,6 +53,27 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
     proc = _holder(tmp_path, 30)
     proc.kill()  # as a job killed with SIGKILL leaves its lock behind
     proc.wait(timeout=10)
+    path = runlock.acquire(str(tmp_path), environ={})
+    assert json.loads(open(path).read())["pid"] == os.getpid()
+
+
+def test_lock_of_an_exited_unreaped_process_is_taken_over(tmp_path):
+    # A crashed rank that has exited but is not yet reaped still answers kill(pid, 0).
+    proc = _holder(tmp_path, 0)
+    for _ in range(100):
+        if runlock._proc_state(proc.pid)[0] == "Z":
+            break
+        time.sleep(0.05)
+    assert runlock._proc_state(proc.pid)[0] == "Z"
+    path = runlock.acquire(str(tmp_path), environ={})
+    assert json.loads(open(path).read())["pid"] == os.getpid()
+    proc.wait(timeout=10)
+
+
+def test_lock_of_a_reused_pid_is_taken_over(tmp_path):
+    # The pid in the lock now belongs to another process (here: pid 1), started at another time.
+    (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(
+        {"slurm_job": None, "host": socket.gethostname(), "pid": 1, "proc_start": -1, "started": "then"}))
     path = runlock.acquire(str(tmp_path), environ={})
     assert json.loads(open(path).read())["pid"] == os.getpid()
 
