@@ -37,8 +37,8 @@ class RunDirBusy(HpctrainError):
     """Another job is using this run directory."""
 
 
-# How long a lock held by a process of this host that is just ending (a rank that the
-# launcher is still tearing down after a crash) may take to go away before it counts as busy.
+# How long a lock held by a process of this host outside Slurm that is just ending (a rank
+# that mpirun is still tearing down after a crash) may take to go away before it counts as busy.
 SETTLE_SECONDS = 10.0
 
 
@@ -136,8 +136,11 @@ def acquire(run_dir, environ=None):
             except FileNotFoundError:
                 continue  # released meanwhile: try again
             reason = stale_reason(holder, me)
-            if reason is None and holder.get("host") == me["host"] and time.monotonic() < settle_until:
-                time.sleep(0.25)  # perhaps a crashed run's rank that is still being torn down
+            if (reason is None and not holder.get("slurm_job") and holder.get("host") == me["host"]
+                    and time.monotonic() < settle_until):
+                # perhaps the rank 0 of a crashed mpirun job on this host, still being torn
+                # down (a Slurm job's end is known from squeue instead)
+                time.sleep(0.25)
                 continue
             if reason is None:
                 raise RunDirBusy(
