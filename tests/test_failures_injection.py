@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from checkpoint_files import tensors
 from mpi_harness import PYTHON, ROOT, mpirun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -69,16 +70,6 @@ def final_loss(output):
     m = re.search(r"done at step \d+, epoch \d+: train loss ([\d.]+) val_loss ([\d.]+)", output)
     return (float(m.group(1)), float(m.group(2))) if m else None
 
-
-def tensors(path):
-    import h5py
-
-    found = {}
-    with h5py.File(path, "r") as f:
-        for group in ("model", "optimizer"):
-            f[group].visititems(lambda name, obj: found.__setitem__(f"{group}/{name}", obj[()])
-                                if isinstance(obj, h5py.Dataset) else None)
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from checkpoint_files import tensors
 from mpi_harness import PYTHON, ROOT
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -59,17 +60,6 @@ def ckpt_verify(path):
     return subprocess.run([PYTHON, "-m", "hpctrain", "ckpt", "verify", str(path)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
 
-
-def tensors(path):
-    """Every dataset under /model and /optimizer of a checkpoint, by name."""
-    import h5py
-
-    found = {}
-    with h5py.File(path, "r") as f:
-        for group in ("model", "optimizer"):
-            f[group].visititems(lambda name, obj: found.__setitem__(f"{group}/{name}", obj[()])
-                                if isinstance(obj, h5py.Dataset) else None)
-    return found
 
 
 def assert_completed(record, out):
