@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Trainer": "trainer",
-    "FitResult": "trainer",
+    "Trainer": "training.trainer",
+    "FitResult": "training.trainer",
     "TrainConfig": "config",
     "load_config": "config",
     "validate": "config",
@@ -24,7 +24,7 @@ _EXPORTS = {
     "make_digits_h5": "data",
     "make_teacher_h5": "data",
     "build_model": "models",
-    "PhaseTimer": "timing",
+    "PhaseTimer": "monitoring.timing",
     "get_backend": "backends",
     "init_world": "world",
     "World": "world",

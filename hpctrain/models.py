@@ -1,6 +1,6 @@
 """The models that configurations name (``[model] name = ...``).
 
-Users with their own model pass it to :class:`hpctrain.trainer.Trainer` instead.
+Users with their own model pass it to :class:`hpctrain.training.trainer.Trainer` instead.
 
 * ``mlp``: flatten, ``depth`` hidden layers of width ``hidden``, a linear classifier. With
   ``residual = true`` the hidden layers are pre-norm residual blocks

@@ -1,5 +1,5 @@
 """A failure on one rank ends the whole job quickly, with the rank and host named: an
-exception (coordination.abort_on_exception) and a hang (hpctrain.watchdog), under a real
+exception (coordination.abort_on_exception) and a hang (hpctrain.job.watchdog), under a real
 mpirun; the watchdog's own logic in a single process."""
 import socket
 import subprocess
@@ -52,7 +52,7 @@ def _run_python(code, timeout=60, env=None):
 def test_watchdog_single_process_exits_with_its_status():
     proc = _run_python("""
         import time
-        from hpctrain.watchdog import Watchdog
+        from hpctrain.job.watchdog import Watchdog
         w = Watchdog(timeout=0.5, where="rank 0 on testhost", grace=0)
         with w.step(7):
             time.sleep(30)
@@ -65,7 +65,7 @@ def test_watchdog_single_process_exits_with_its_status():
 def test_watchdog_quiet_when_steps_are_fast_and_between_steps():
     proc = _run_python("""
         import time
-        from hpctrain.watchdog import Watchdog
+        from hpctrain.job.watchdog import Watchdog
         with Watchdog(timeout=0.4, grace=0) as w:
             for step in range(10):
                 with w.step(step):
@@ -84,11 +84,11 @@ def test_watchdog_quiet_when_steps_are_fast_and_between_steps():
 
 def test_watchdog_timeout_from_environment_and_off_by_default():
     proc = _run_python("""
-        from hpctrain.watchdog import Watchdog
+        from hpctrain.job.watchdog import Watchdog
         print(Watchdog().timeout, Watchdog().enabled)
     """, env={"HPCTRAIN_WATCHDOG_TIMEOUT": "12.5"})
     assert proc.stdout.split() == ["12.5", "True"], proc.stderr
-    from hpctrain.watchdog import Watchdog
+    from hpctrain.job.watchdog import Watchdog
 
     if "HPCTRAIN_WATCHDOG_TIMEOUT" not in __import__("os").environ:
         assert not Watchdog().enabled
@@ -99,7 +99,7 @@ def test_watchdog_timeout_from_environment_and_off_by_default():
 def test_watchdog_per_section_timeout():
     proc = _run_python("""
         import time
-        from hpctrain.watchdog import Watchdog
+        from hpctrain.job.watchdog import Watchdog
         w = Watchdog(timeout=0.3, where="rank 0 on h", grace=0)
         with w.step("checkpoint", timeout=3):
             time.sleep(0.6)              # longer than a step may take, shorter than a checkpoint

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hpctrain.monitor import Monitor, divergent_ranks, param_checksum, timeline_env
-from hpctrain.progress import Progress, format_line, resolve_mode
-from hpctrain.slownodes import PHASES, SlowRankDetector, slow_ranks_now
+from hpctrain.monitoring.monitor import Monitor, divergent_ranks, param_checksum, timeline_env
+from hpctrain.monitoring.display import ProgressDisplay, format_line, resolve_mode
+from hpctrain.monitoring.slownodes import PHASES, SlowRankDetector, slow_ranks_now
 
 
 def table(work_ms, wait_ms=None):
@@ -86,14 +86,14 @@ def test_progress_modes_and_lines():
     line = format_line(200, 1000, 1, loss=0.4312, lr=1e-3, samples_per_s=5120.3, step_time=0.05, eta=40)
     assert line == "step 200/1000 epoch 1 loss 0.4312 lr 1.00e-03 5120.3 samples/s 0.050 s/step ETA 0:00:40"
     out = io.StringIO()
-    bar = Progress("bar", total_steps=10, stream=out)
+    bar = ProgressDisplay("bar", total_steps=10, stream=out)
     for step in range(1, 6):
         bar.step(step, 0, loss=0.5)
     bar.message("hpctrain: warning: something")
     bar.close()
     assert "5/10" in out.getvalue() and "hpctrain: warning: something" in out.getvalue()
     quiet = io.StringIO()
-    off = Progress("off", stream=quiet)
+    off = ProgressDisplay("off", stream=quiet)
     off.step(1, 0)
     off.interval(1, 0, loss=1.0)
     assert quiet.getvalue() == ""

@@ -68,11 +68,11 @@ def test_requeue_without_scontrol_is_an_error(tmp_path):
 
 def test_requeue_command_exit_status_without_scontrol(tmp_path):
     env = dict(os.environ, SLURM_JOB_ID="77", PATH=str(tmp_path), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([PYTHON, "-m", "hpctrain.preemption", "requeue"], capture_output=True,
+    proc = subprocess.run([PYTHON, "-m", "hpctrain.job.preemption", "requeue"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "`scontrol` is not on PATH" in proc.stderr
     env.pop("SLURM_JOB_ID")
-    proc = subprocess.run([PYTHON, "-m", "hpctrain.preemption", "requeue"], capture_output=True,
+    proc = subprocess.run([PYTHON, "-m", "hpctrain.job.preemption", "requeue"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 1 and "not running under Slurm" in proc.stderr
 

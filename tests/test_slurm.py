@@ -83,7 +83,7 @@ def test_requeue_without_scontrol_fails_clearly(slurm_cluster, tmp_path):
     (tmp_path / "bin").mkdir()
     os.symlink(PYTHON, tmp_path / "bin" / "python")
     proc = slurm_cluster.run(["srun", "-n", "1", "env", f"PATH={tmp_path / 'bin'}", f"PYTHONPATH={ROOT}",
-                              "python", "-m", "hpctrain.preemption", "requeue"], timeout=60, check=False)
+                              "python", "-m", "hpctrain.job.preemption", "requeue"], timeout=60, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "cannot requeue Slurm job" in proc.stderr and "`scontrol` is not on PATH" in proc.stderr
     assert "HINT:" in proc.stderr
@@ -95,7 +95,7 @@ REQUEUE_ONCE = """#!/bin/bash
 # first start: ask hpctrain to requeue this job; second start: finish
 echo "start ${SLURM_RESTART_COUNT:-0} of ${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}_${SLURM_ARRAY_TASK_ID:-}"
 if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
-  "$PY" -m hpctrain.preemption requeue || exit 9
+  "$PY" -m hpctrain.job.preemption requeue || exit 9
   sleep 30
   exit 8   # not reached: requeueing ends the job
 fi

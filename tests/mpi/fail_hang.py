@@ -10,7 +10,7 @@ import time
 
 from mpi4py import MPI
 
-from hpctrain.watchdog import Watchdog
+from hpctrain.job.watchdog import Watchdog
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()

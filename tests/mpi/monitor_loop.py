@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.monitor import Monitor
+from hpctrain.monitoring.monitor import Monitor
 from hpctrain.state import TrainState
 
 parser = argparse.ArgumentParser()

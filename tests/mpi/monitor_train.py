@@ -10,8 +10,8 @@ from mpi4py import MPI
 
 from hpctrain.config import load_config
 from hpctrain.data import ArrayDataset
-from hpctrain.monitor import build_callbacks
-from hpctrain.trainer import Trainer
+from hpctrain.monitoring.monitor import build_callbacks
+from hpctrain.training.trainer import Trainer
 
 
 def synthetic(n, seed):

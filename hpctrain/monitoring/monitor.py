@@ -9,7 +9,7 @@ other steps. Rank 0 alone prints and writes files.
 
 Example (what the trainer does)::
 
-    from hpctrain.monitor import build_callbacks
+    from hpctrain.monitoring.monitor import build_callbacks
     callbacks = build_callbacks(cfg.monitor, run_dir, comm=world.comm, total_steps=max_steps,
                                 samples_per_step=global_batch)
     for cb in callbacks:
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .progress import Progress
+from .display import ProgressDisplay
 from .slownodes import PHASES, WORK_PHASES, SlowRankDetector
 
 # Per-rank numbers gathered every ``gather_every`` steps, in this order.
@@ -164,7 +164,7 @@ class Monitor:
         # Rank-0 role: the others have no progress, detector or files.
         self.progress = self.writer = self.detector = None
         if self.is_root:
-            self.progress = Progress(progress, total_steps, stream)
+            self.progress = ProgressDisplay(progress, total_steps, stream)
             self.writer = MetricsWriter(run_dir, tensorboard, warn=self.progress.message)
             self.detector = SlowRankDetector(slow_rank_factor, slow_rank_window, slow_rank_min_seconds)
             self.interval = self._new_interval()

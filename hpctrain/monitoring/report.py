@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 from .monitor import METRICS_FILE
 
 PLOTS = ("loss", "throughput", "ranks", "checkpoints")

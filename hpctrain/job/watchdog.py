@@ -6,7 +6,7 @@ watchdog around each step; if the step is still running after ``timeout`` second
 watchdog prints which rank and host, dumps the stack of every thread of this process, and
 calls ``MPI_Abort`` so that every rank ends with a non-zero status::
 
-    from hpctrain.watchdog import Watchdog
+    from hpctrain.job.watchdog import Watchdog
 
     watchdog = Watchdog(timeout=600, comm=world.comm, where=world.where())
     for step, batch in enumerate(loader):
@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from . import settings
+from .. import settings
 
 EXIT_HUNG = 4  # exit status of a job the watchdog ended
 

@@ -18,7 +18,7 @@ signal, so the trainer agrees at the next step boundary::
             sys.exit(preemption.EXIT_PREEMPTED)
 
 The job script (``slurm/preemptible.sbatch``) sees exit status 3 and runs
-``python -m hpctrain.preemption requeue``, which calls ``scontrol requeue`` for this job
+``python -m hpctrain.job.preemption requeue``, which calls ``scontrol requeue`` for this job
 (the ``<array job>_<task>`` id inside a job array).
 """
 import os
@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 
 EXIT_PREEMPTED = 3
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -129,10 +129,10 @@ def requeue_if_possible(environ=None, scontrol=None, timeout=60):
 
 
 def main(argv=None):
-    """``python -m hpctrain.preemption requeue``: used by slurm/preemptible.sbatch."""
+    """``python -m hpctrain.job.preemption requeue``: used by slurm/preemptible.sbatch."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv != ["requeue"]:
-        print("usage: python -m hpctrain.preemption requeue", file=sys.stderr)
+        print("usage: python -m hpctrain.job.preemption requeue", file=sys.stderr)
         return 2
     try:
         requeued = requeue_if_possible()

@@ -33,14 +33,15 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from . import runlock, settings
-from .config import TrainConfig, load_config, validate
-from .coordination import abort_on_exception, all_or_none, any_rank, on_root
-from .errors import ConfigError
-from .monitor import Monitor, build_callbacks
-from .state import Progress, TrainState
-from .timing import PhaseTimer
-from .watchdog import Watchdog
+from .. import settings
+from ..job import runlock
+from ..config import TrainConfig, load_config, validate
+from ..coordination import abort_on_exception, all_or_none, any_rank, on_root
+from ..errors import ConfigError
+from ..monitoring.monitor import Monitor, build_callbacks
+from ..state import Progress, TrainState
+from ..monitoring.timing import PhaseTimer
+from ..job.watchdog import Watchdog
 
 # Exit status of `hpctrain train` when it stopped because a stop was requested (after saving).
 STOP_EXIT_CODE = 3
@@ -93,9 +94,9 @@ class Trainer:
     def fit(self):
         import torch
 
-        from .backends import get_backend
-        from .data import ShardSampler
-        from .world import init_world
+        from ..backends import get_backend
+        from ..data import ShardSampler
+        from ..world import init_world
 
         world = self.world = self.world or init_world()
         comm = world.comm
@@ -245,7 +246,7 @@ class Trainer:
         """Loss and accuracy over the whole validation set, each rank scoring its part."""
         import torch
 
-        from .data import eval_shard
+        from ..data import eval_shard
 
         model = self.state.model
         indices = eval_shard(len(val), world.rank, world.size)
@@ -272,7 +273,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _datasets(self, cfg, world):
-        from .data import as_dataset, generate, open_splits
+        from ..data import as_dataset, generate, open_splits
 
         if self.train_data is not None:
             return as_dataset(self.train_data), as_dataset(self.val_data)
@@ -289,7 +290,7 @@ class Trainer:
 
 # ---------------------------------------------------------------- pieces of fit()
 def _build_model(cfg):
-    from .models import build_model
+    from ..models import build_model
 
     return build_model(cfg.model)
 
@@ -362,7 +363,7 @@ def _make_run_dir(cfg, world, backend):
 def _default_checkpoints(cfg, world, run_dir):
     if importlib.util.find_spec("hpctrain.checkpoint") is None:
         return None
-    from .checkpoint import CheckpointManager
+    from ..checkpoint import CheckpointManager
 
     directory = cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints")
     return CheckpointManager(directory, world, cfg.checkpoint, run_config=cfg.to_dict())
@@ -375,7 +376,7 @@ def _call(callback, name, *args):
 
 
 def _size(model):
-    from .models import count_parameters
+    from ..models import count_parameters
 
     params, tensors = count_parameters(model)
     return f"{params:,} parameters in {tensors} tensors"
@@ -383,10 +384,10 @@ def _size(model):
 
 # ---------------------------------------------------------------- command line
 def _signal_flag():
-    """Slurm's warning signals (USR1, TERM) as a stop flag, when hpctrain.preemption is there."""
-    if importlib.util.find_spec("hpctrain.preemption") is None:
+    """Slurm's warning signals (USR1, TERM) as a stop flag, when hpctrain.job.preemption is there."""
+    if importlib.util.find_spec("hpctrain.job.preemption") is None:
         return None
-    from . import preemption
+    from ..job import preemption
 
     preemption.install()
     return preemption.stop_requested
@@ -402,7 +403,7 @@ def main(argv=None):
                         help="override a configuration value, e.g. train.lr=0.05")
     args = parser.parse_args(argv)
 
-    from .world import init_world
+    from ..world import init_world
 
     with abort_on_exception(None):  # before MPI there is no job to abort
         world = init_world()

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import time
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 from .preemption import slurm_job_id
 
 LOCK_NAME = ".hpctrain.lock"
@@ -187,7 +187,7 @@ def hold(run_dir, comm=None):
     if comm is None or comm.Get_size() == 1:
         path = acquire(run_dir)
     else:
-        from .coordination import on_root
+        from ..coordination import on_root
 
         path = on_root(lambda: acquire(run_dir), comm)
     try:

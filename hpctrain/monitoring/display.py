@@ -1,8 +1,8 @@
 """What rank 0 shows while training: a tqdm bar on a terminal, plain lines in a batch job.
 
 ``progress`` is ``"auto"`` (a bar when stderr is a terminal, else lines), ``"bar"``,
-``"log"`` or ``"off"``. Only rank 0 builds a :class:`Progress`; the other ranks stay quiet.
-Warnings (slow ranks, diverged parameters) go through :meth:`Progress.message`, so they do
+``"log"`` or ``"off"``. Only rank 0 builds a :class:`ProgressDisplay`; the other ranks stay quiet.
+Warnings (slow ranks, diverged parameters) go through :meth:`ProgressDisplay.message`, so they do
 not tear the bar apart.
 
 A log line in a batch job looks like::
@@ -49,7 +49,7 @@ def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step
     return " ".join(parts)
 
 
-class Progress:
+class ProgressDisplay:
     """Rank 0's view of the run. ``step()`` is called every step, ``interval()`` every
     ``log_every`` steps with the interval's averages."""
 

@@ -1,0 +1,1 @@
+"""The training loop (``trainer``) and the ``hpctrain train`` command (``command``)."""
