@@ -6,7 +6,8 @@
 
 Exit status 0 only when the stack can run a parallel job. Each missing piece is one line
 that names the fix. Versions are read from package metadata where possible; torch and
-Horovod are imported only to check that their compiled parts really load.
+Horovod are imported only to check that their compiled parts really load (Horovod through
+:func:`hpctrain.backends.horovod_backend.build_info`, the one module that imports it).
 """
 import argparse
 import json
@@ -116,20 +117,13 @@ def check_horovod(required, cuda):
     if v is None:
         return Check("horovod", False, "not installed",
                      f"{SETUP_HINT} (builds Horovod 0.28.1 with PyTorch and MPI), {alt}", required), {}
+    from .backends.horovod_backend import build_info
+
     try:
-        import horovod.torch as hvd
+        build = build_info()
     except Exception as exc:
         return Check("horovod", False, f"{v}, PyTorch extension failed to load: {exc}",
                      f"rebuild Horovod against this torch: {SETUP_HINT}, {alt}", required), {}
-    build = {
-        "frameworks": ["PyTorch"],
-        "controllers": [n for n, f in (("MPI", hvd.mpi_built), ("Gloo", hvd.gloo_built)) if f()],
-        "tensor_operations": [n for n, f in (("NCCL", hvd.nccl_built), ("DDL", hvd.ddl_built),
-                                             ("CCL", hvd.ccl_built), ("MPI", hvd.mpi_built),
-                                             ("Gloo", hvd.gloo_built)) if f()],
-        "cuda": bool(hvd.cuda_built()),
-        "nccl": bool(hvd.nccl_built()),
-    }
     detail = (f"{v}, frameworks: PyTorch; controllers: {', '.join(build['controllers']) or 'none'}; "
               f"tensor ops: {', '.join(build['tensor_operations']) or 'none'}")
     if "MPI" not in build["controllers"]:
@@ -216,11 +210,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     report, checks, comm = diagnose()
-    parallel = comm is not None and comm.Get_size() > 1
-    reports = comm.gather(report, root=0) if parallel else [report]
-    ok = all(r["ok"] for r in reports) if report["rank"] == 0 else None
-    if parallel:
-        ok = comm.bcast(ok, root=0)
+    if comm is not None and comm.Get_size() > 1:
+        from .coordination import on_root
+
+        reports = comm.gather(report, root=0)  # None except on rank 0
+        # Rank 0 decides from every rank's report; all ranks exit with its verdict.
+        ok = on_root(lambda: all(r["ok"] for r in reports), comm)
+    else:
+        reports, ok = [report], report["ok"]
     if report["rank"] == 0:
         print(json.dumps(_json_doc(report, reports, ok), indent=2) if args.json
               else _text(report, checks, reports, ok))

@@ -17,6 +17,28 @@ def import_horovod():
     return hvd
 
 
+def build_info():
+    """What this Horovod was built with, as ``hpctrain doctor`` reports it::
+
+        {"frameworks": ["PyTorch"], "controllers": ["MPI", "Gloo"], "tensor_operations": [...],
+         "cuda": False, "nccl": False}
+
+    Raises what importing ``horovod.torch`` raises (``ImportError``, or ``OSError`` for a
+    build that no longer loads), so that the doctor can show the import error itself.
+    """
+    import horovod.torch as hvd
+
+    return {
+        "frameworks": ["PyTorch"],
+        "controllers": [n for n, f in (("MPI", hvd.mpi_built), ("Gloo", hvd.gloo_built)) if f()],
+        "tensor_operations": [n for n, f in (("NCCL", hvd.nccl_built), ("DDL", hvd.ddl_built),
+                                             ("CCL", hvd.ccl_built), ("MPI", hvd.mpi_built),
+                                             ("Gloo", hvd.gloo_built)) if f()],
+        "cuda": bool(hvd.cuda_built()),
+        "nccl": bool(hvd.nccl_built()),
+    }
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
