@@ -1,18 +1,33 @@
-"""Every environment variable hpctrain reads, in one place, all with the HPCTRAIN_ prefix.
+"""Every ``HPCTRAIN_*`` environment variable the hpctrain package reads, read through this module.
 
-=========================  ==================================================  =========
-variable                   meaning                                             default
-=========================  ==================================================  =========
-HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``        (config)
-HPCTRAIN_RUN_ROOT          where run directories are created                    ./runs
-HPCTRAIN_LOG_LEVEL         logging level (DEBUG, INFO, WARNING)                 INFO
-HPCTRAIN_NO_ABORT          1: do not MPI_Abort on an unhandled exception        0
-HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone (no MPI-IO) 0
-HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step may run before the job is aborted     0 (off)
-=========================  ==================================================  =========
+=========================  ================================================  ===========  ==============================
+variable                   meaning                                           default      read by
+=========================  ================================================  ===========  ==============================
+HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``;    ``horovod``  ``config.load_config``;
+                           overrides ``comm.backend`` of the TOML file                    ``doctor`` (is Horovod needed)
+HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``./runs``   ``training.trainer``
+                           config sets neither ``run.run_dir`` nor
+                           ``run.root``
+HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.manager``
+                           (no MPI-IO)
+HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step may run before the job is          0 (off)      ``job.watchdog``
+                           aborted, when ``train.step_timeout`` is 0
+=========================  ================================================  ===========  ==============================
 
-Launcher variables (``OMPI_COMM_WORLD_*``, ``PMI_*``, ``SLURM_*``) are read by
-:mod:`hpctrain.world` alone, since they describe the launcher, not hpctrain.
+The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
+(``scripts/setup.sh``), ``HPCTRAIN_VENV``, ``HPCTRAIN_RUN_ROOT`` and ``HPCTRAIN_MAX_REQUEUES``
+(``slurm/*.sbatch``); each is described where it is read.
+
+Launcher variables describe the job, not hpctrain, and are read where they are interpreted:
+
+* :mod:`hpctrain.world`: ``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_RANK}``, ``PMI_{SIZE,RANK,FD}``,
+  ``PMIX_RANK``, ``MPI_LOCALRANKID``, ``SLURM_{JOB_ID,STEP_ID,PROCID,LOCALID,NTASKS,
+  STEP_NUM_TASKS,STEP_NODELIST,JOB_NODELIST}`` and ``SLURMD_NODENAME`` (launcher, rank, size,
+  node), and ``OMP_NUM_THREADS`` (torch threads per rank);
+* :mod:`hpctrain.job.preemption`: ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID`` and
+  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner);
+* :mod:`hpctrain.job.watchdog` and :mod:`hpctrain.monitoring.monitor`: ``SLURMD_NODENAME``
+  (the host named in their messages, as :func:`hpctrain.world.node_name` does).
 """
 import os
 
