@@ -54,16 +54,50 @@ def test_single_process_inside_a_multi_task_allocation():
 
 @pytest.mark.parametrize("env,local,expected", [
     ({"OMP_NUM_THREADS": "3"}, 4, 3),
+    ({"OMP_NUM_THREADS": "0"}, 4, 1),
 ])
 def test_threads_respect_omp_num_threads(env, local, expected):
     assert cpu_threads_per_rank(local, env) == expected
 
 
-def test_threads_split_the_node():
+@pytest.mark.parametrize("cores,usable,local,expected", [
+    (16, 16, 4, 4),    # not bound: the node's cores shared by the ranks on it
+    (16, 16, 3, 5),    # rounded down, never oversubscribed
+    (16, 16, 32, 1),   # more ranks than cores: at least one thread
+    (16, 16, 0, 16),   # a local size of 0 counts as 1
+    (16, 3, 4, 3),     # bound by the launcher to 3 cores: exactly those
+    (16, 1, 1, 1),
+], ids=["split", "rounded-down", "at-least-one", "local-size-0", "bound", "bound-to-one"])
+def test_threads_split_the_node(monkeypatch, cores, usable, local, expected):
     import os
 
-    usable = len(os.sched_getaffinity(0))
-    n = cpu_threads_per_rank(2, {})
-    assert n >= 1
-    if usable == os.cpu_count():
-        assert n == max(1, usable // 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
+    assert cpu_threads_per_rank(local, {}) == expected
+
+
+def test_threads_without_affinity_use_the_core_count(monkeypatch):
+    import os
+
+    # Not Linux: no sched_getaffinity, so the node's cores are split.
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert cpu_threads_per_rank(2, {}) == 4
+
+
+def test_threads_follow_a_real_cpu_binding():
+    # A process really bound to one core (as `mpirun --bind-to core` does) gets one thread,
+    # even where the node's cores would give it more.
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs Linux CPU affinity and at least 2 cores")
+    code = ("import os; from hpctrain.world import cpu_threads_per_rank;"
+            "cpu = min(os.sched_getaffinity(0)); os.sched_setaffinity(0, {cpu});"
+            "print(cpu_threads_per_rank(1, {}))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=root)
+    assert out.stdout.strip() == "1"
