@@ -14,6 +14,7 @@ any collective.
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -337,6 +338,19 @@ def load_config(path=None, overrides=(), environ=None):
     return cfg
 
 
+def _check_finite(cfg):
+    """NaN and infinity pass every ``< 0`` test, so they are refused by name first."""
+    for section in section_names():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise ConfigError(f"{section}.{f.name} = {value!r} is not a finite number",
+                                  hint=f"give {section}.{f.name} a finite value, e.g. "
+                                       f"{section}.{f.name}={default!r} (the default)")
+
+
 def validate(cfg, world_size=1, cuda=False, need_data=True):
     """Check values that no single field's type can; return a resolved copy.
 
@@ -357,6 +371,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
             raise ConfigError(f"{name} = {value!r} must be {'>= 0' if zero_ok else '> 0'}",
                               hint=f"set {name} to a {'non-negative' if zero_ok else 'positive'} value")
 
+    _check_finite(cfg)
     t, c = cfg.train, cfg.comm
     choice("comm.backend", c.backend, BACKENDS)
     choice("comm.compression", c.compression, COMPRESSIONS)

@@ -138,3 +138,31 @@ def test_examples_are_valid():
 def test_apply_override_on_a_built_config():
     cfg = apply_override(TrainConfig(), "monitor.log_every=3")
     assert cfg.monitor.log_every == 3
+
+
+def _float_fields():
+    import dataclasses
+
+    cfg = TrainConfig()
+    return [f"{s}.{f.name}" for s in ("run", "model", "data", "train", "comm", "checkpoint", "monitor")
+            for f in dataclasses.fields(getattr(cfg, s)) if isinstance(getattr(getattr(cfg, s), f.name), float)]
+
+
+@pytest.mark.parametrize("field", _float_fields())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_option_refuses_non_finite_values(field, value):
+    cfg = load_config(None, [f"{field}={value}"], environ={})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=1, need_data=False)
+    text = str(err.value)
+    assert f"{field} = " in text and "not a finite number" in text and f"HINT: give {field} a finite value" in text
+
+
+def test_non_finite_from_toml_and_from_python_too(tmp_path):
+    path = write(tmp_path, "[train]\nstep_timeout = inf\n")
+    with pytest.raises(ConfigError, match=r"train.step_timeout = inf is not a finite number"):
+        validate(load_config(path, environ={}), need_data=False)
+    cfg = TrainConfig()
+    cfg.train.lr = float("nan")
+    with pytest.raises(ConfigError, match=r"train.lr = nan is not a finite number"):
+        validate(cfg, need_data=False)
