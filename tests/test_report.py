@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from hpctrain import report
+from hpctrain.monitoring import report
 
 
 def run_records(ranks=3, slow=2):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpi_harness import ROOT, mpirun
-from hpctrain import report
+from hpctrain.monitoring import report
 
 pytestmark = pytest.mark.mpi
 
