@@ -13,8 +13,6 @@ import datetime
 import sys
 import time
 
-MODES = ("auto", "bar", "log", "off")
-
 
 def resolve_mode(mode, stream=None):
     """``auto`` becomes ``bar`` on a terminal and ``log`` otherwise (a Slurm output file)."""
