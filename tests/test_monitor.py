@@ -1,5 +1,6 @@
-"""Monitoring logic in one process: slow-rank rules, consistency comparison, progress
-output, and the Monitor itself on a one-rank communicator (real MPI, COMM_SELF)."""
+"""Monitoring logic in one process: slow-rank rules, per-rank timing sums, the replica
+comparison and rank 0's records, progress output, and the Monitor itself on a one-rank
+communicator (real MPI, COMM_SELF)."""
 import io
 import json
 from types import SimpleNamespace
@@ -7,9 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hpctrain.monitoring.monitor import Monitor, divergent_ranks, param_checksum, timeline_env
+from hpctrain.monitoring import slownodes
 from hpctrain.monitoring.display import ProgressDisplay, format_line, resolve_mode
-from hpctrain.monitoring.slownodes import PHASES, SlowRankDetector, slow_ranks_now
+from hpctrain.monitoring.monitor import Monitor, replica_fingerprints
+from hpctrain.monitoring.runlog import RunLog
+from hpctrain.monitoring.slownodes import SlowRankDetector, slow_ranks_now
+from hpctrain.monitoring.timing import PHASES, PhaseTotals
 
 
 def table(work_ms, wait_ms=None):
@@ -58,26 +62,53 @@ def test_no_report_for_balanced_ranks_jitter_or_all_reduce_wait():
     assert slow_ranks_now(means, 1.3, 0.005)[2][0] == "optimizer"
 
 
-def test_divergent_ranks_are_the_minority():
-    same, other = [1.5, 7.0], [1.5, 8.0]
-    assert divergent_ranks([same, same, other, same]) == ([0, 1, 3], [2])
-    assert divergent_ranks([same, same]) == ([0, 1], [])
-    assert divergent_ranks([same, other]) == ([0], [1])  # a tie: rank 0's side is the reference
+def test_phase_totals_add_up_one_ranks_steps():
+    totals = PhaseTotals()
+    times = {"data": 0.001, "forward_backward": 0.002, "step": 0.004, "eval": 0.0005}
+    totals.add(times, now=10.0)  # the first step: its phases are all there is to go by
+    totals.last_end = 10.1
+    totals.add(times, now=10.3)  # later ones: the time since the previous step's end
+    row = dict(zip(("steps", "wall_sum", "wall_max") + tuple(PHASES) + ("other", "gather"), totals.values))
+    assert row["steps"] == 2 and row["wall_sum"] == pytest.approx(0.0035 + 0.2)
+    assert row["wall_max"] == pytest.approx(0.2) and row["data"] == pytest.approx(0.002)
+    assert row["other"] == pytest.approx(0.001)  # "eval" is no phase; the "step" total is not counted
+    totals.reset(0.03)
+    assert totals.values[PhaseTotals.STEPS] == 0 and totals.values[PhaseTotals.GATHER] == 0.03
+    assert slownodes.PHASES is PHASES  # one schema
 
 
-def test_param_checksum_sees_one_changed_element():
+def test_replica_fingerprints_see_one_changed_element():
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 2))
     b = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 2))
     b.load_state_dict(a.state_dict())
-    assert np.array_equal(param_checksum(a), param_checksum(b))
+    assert replica_fingerprints(a) == replica_fingerprints(b) and len(replica_fingerprints(a)) == 4
     with torch.no_grad():
         b[0].weight[17, 5] += 1e-4  # not in the strided sample: the sum sees it
-    assert not np.array_equal(param_checksum(a), param_checksum(b))
-    b.load_state_dict(a.state_dict())
-    b.to(torch.bfloat16)  # any dtype: bytes are compared, not values
-    assert param_checksum(b).shape == (2,)
+    assert replica_fingerprints(a) != replica_fingerprints(b)
+
+
+def test_diverged_ranks_are_named_with_their_hosts_once_per_new_set(tmp_path):
+    out = io.StringIO()
+    log = RunLog(tmp_path, ["n0", "n0", "n1", "n1"], log_every=100, gather_every=100, progress="log",
+                 stream=out)
+    same, other = [(5, 7), (1, 2)], [(5, 7), (1, 3)]
+    for step, fingerprints in ((5, [same, same, other, same]), (10, [same, same, other, same]),
+                               (15, [same] * 4), (20, [same, same, other, same]), (25, [same, other] * 2)):
+        log.on_step(SimpleNamespace(step=step, epoch=0), {}, {}, 0.0, fingerprints=fingerprints)
+    log.end(SimpleNamespace(step=25, epoch=0))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    found = [r for r in records if r["kind"] == "divergence"]
+    # said at 5, not again at 10; said again after a healthy check; a tie: rank 0's side is the reference
+    assert [(r["step"], r["ranks"], r["reference_ranks"]) for r in found] == [
+        (5, [2], [0, 1, 3]), (20, [2], [0, 1, 3]), (25, [1, 3], [0, 2])]
+    checksums = found[0]["checksums"]
+    assert len(checksums) == 4 and checksums[0] == checksums[1] == checksums[3] != checksums[2]
+    text = out.getvalue()
+    assert text.count("parameters differ across ranks") == 3
+    assert "at step 5: rank(s) 2 (n1) disagree with ranks [0, 1, 3]" in text
+    assert "rank(s) 1 (n0), 3 (n1) disagree with ranks [0, 2]" in text and "HINT: restart" in text
 
 
 def test_progress_modes_and_lines():
@@ -101,12 +132,6 @@ def test_progress_modes_and_lines():
     assert quiet.getvalue() == "still said\n"
 
 
-def test_timeline_env():
-    assert timeline_env("/runs/a", SimpleNamespace(horovod_timeline=False)) == {}
-    assert timeline_env("/runs/a", SimpleNamespace(horovod_timeline=True)) == {
-        "HOROVOD_TIMELINE": "/runs/a/horovod_timeline.json"}
-
-
 def test_monitor_on_one_rank_writes_metrics(tmp_path):
     torch = pytest.importorskip("torch")
     from mpi4py import MPI
@@ -118,13 +143,14 @@ def test_monitor_on_one_rank_writes_metrics(tmp_path):
     out = io.StringIO()
     monitor = Monitor(tmp_path, MPI.COMM_SELF, log_every=4, gather_every=2, progress="log",
                       consistency_every=4, total_steps=8, samples_per_step=32, stream=out, node="node07")
+    assert monitor.root is not None  # rank 0 of COMM_SELF
     for step in range(1, 9):
         state.progress.step, state.progress.epoch = step, step // 5
         metrics = {"loss": torch.tensor(1.0 / step), "lr": 0.1}
         phases = {"data": 0.001, "forward_backward": 0.002, "allreduce_wait": 0.0, "optimizer": 0.0005,
                   "step": 0.0035, "eval": 0.001}  # as PhaseTimer.times() gives, plus an unknown phase
-        if step == 6:
-            metrics["checkpoint"] = {"path": "ckpt-6.h5"}
+        if step == 6:  # as the trainer does: the save, inside the step's checkpoint phase
+            monitor.on_checkpoint(state, tmp_path / "ckpt-6.h5", 0.25)
             phases["checkpoint"] = 0.25
         monitor.on_step(state, metrics, phases)
     monitor.on_eval(state, {"val_loss": 0.5, "accuracy": torch.tensor(0.75)})
@@ -140,7 +166,8 @@ def test_monitor_on_one_rank_writes_metrics(tmp_path):
     assert first["ranks"][0]["work"] == pytest.approx(0.0035)
     assert first["ranks"][0]["other"] == pytest.approx(0.001)  # the timer's "step" total is not a phase
     assert first["gather"]["seconds"] >= 0
-    assert records[2] == {**records[2], "step": 6, "path": "ckpt-6.h5", "seconds": 0.25}
+    assert records[2] == {**records[2], "step": 6, "epoch": 1, "path": str(tmp_path / "ckpt-6.h5"),
+                          "seconds": 0.25}
     assert records[4]["accuracy"] == 0.75
     text = out.getvalue()
     assert "step 4/8 epoch 0 loss" in text and "step 8/8" in text and "eval at step 8" in text
@@ -158,7 +185,7 @@ def test_monitor_config_is_validated():
                             ("monitor.gather_every=-1", "must be >= 0")):
         with pytest.raises(ConfigError, match=words):
             validate(apply_override(TrainConfig(), override), need_data=False)
-    # every field is one the Monitor (or timeline_env) reads
+    # every field is one the Monitor reads (horovod_timeline: the trainer, via backend.start_timeline)
     from dataclasses import fields
 
     from hpctrain.config import MonitorConfig

@@ -1,3 +1,4 @@
-"""Watching a run: per-step phase timings (``timing``), the monitor callback that gathers
-them across ranks (``monitor``), the slow-rank rule (``slownodes``), what rank 0 shows
-(``display``), and the plots of a finished run (``report``)."""
+"""Watching a run: per-step phase timings and their per-rank sums (``timing``), the monitor
+callback that gathers them across ranks (``monitor``), rank 0's records and display
+(``runlog``, ``display``), the slow-rank rule (``slownodes``), and the plots of a finished
+run (``report``)."""

@@ -21,9 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import HpctrainError
-from .monitor import METRICS_FILE
-
-PLOTS = ("loss", "throughput", "ranks", "checkpoints")
+from .runlog import METRICS_FILE
 
 
 def read_metrics(run_dir):

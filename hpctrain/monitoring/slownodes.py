@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: The phases of one training step, in the order they are gathered.
-PHASES = ("data", "forward_backward", "allreduce_wait", "optimizer", "checkpoint")
+from .timing import PHASES
+
 #: Phases that measure a rank's own work (see the module docstring for the others).
 WORK_PHASES = ("data", "forward_backward", "optimizer")
 #: While a rank stays slow, say it again after this many further windows.
@@ -66,30 +66,30 @@ class SlowRank:
                 "gathers": self.gathers, "step": self.step, "exclude": f"#SBATCH --exclude={self.host}"}
 
 
-def work_seconds(phase_means, phases=PHASES):
+def work_seconds(phase_means):
     """Working time per step for each rank: the sum of :data:`WORK_PHASES` columns."""
-    columns = [phases.index(p) for p in WORK_PHASES if p in phases]
+    columns = [PHASES.index(p) for p in WORK_PHASES]
     return np.asarray(phase_means, dtype=np.float64)[:, columns].sum(axis=1)
 
 
-def slow_ranks_now(phase_means, factor, min_seconds, phases=PHASES):
+def slow_ranks_now(phase_means, factor, min_seconds):
     """Ranks slow in this one gather, as ``{rank: (phase, work, median, phase_s, phase_median)}``.
 
-    ``phase_means`` is a ``(ranks, phases)`` array of seconds per step.
+    ``phase_means`` is a ``(ranks, PHASES)`` array of seconds per step.
     """
     means = np.asarray(phase_means, dtype=np.float64)
     if means.shape[0] < 2:
         return {}  # nothing to compare with
     # With two ranks the median is their mean, so only a rank about factor/(2-factor) times
     # slower than the other is reported (1.86x for 1.3): a conservative test, on purpose.
-    work = work_seconds(means, phases)
+    work = work_seconds(means)
     median = float(np.median(work))
     slow = {}
     for rank in np.flatnonzero((work > factor * median) & (work - median > min_seconds)):
-        excess = {p: means[rank, phases.index(p)] - float(np.median(means[:, phases.index(p)]))
-                  for p in WORK_PHASES if p in phases}
+        excess = {p: means[rank, PHASES.index(p)] - float(np.median(means[:, PHASES.index(p)]))
+                  for p in WORK_PHASES}
         phase = max(excess, key=excess.get)
-        column = phases.index(phase)
+        column = PHASES.index(phase)
         slow[int(rank)] = (phase, float(work[rank]), median, float(means[rank, column]),
                            float(np.median(means[:, column])))
     return slow
@@ -98,14 +98,13 @@ def slow_ranks_now(phase_means, factor, min_seconds, phases=PHASES):
 class SlowRankDetector:
     """Keeps, for each rank, how many consecutive gathers it has been slow in."""
 
-    def __init__(self, factor=1.3, window=3, min_seconds=0.005, phases=PHASES):
+    def __init__(self, factor=1.3, window=3, min_seconds=0.005):
         self.factor, self.window, self.min_seconds = factor, max(1, int(window)), min_seconds
-        self.phases = tuple(phases)
         self.streak = {}
 
     def update(self, phase_means, hosts, step=0):
         """Feed one gather; returns the :class:`SlowRank` reports due now (usually none)."""
-        now = slow_ranks_now(phase_means, self.factor, self.min_seconds, self.phases)
+        now = slow_ranks_now(phase_means, self.factor, self.min_seconds)
         self.streak = {rank: self.streak.get(rank, 0) + 1 for rank in now}
         due = []
         for rank, (phase, work, median, phase_s, phase_median) in sorted(now.items()):

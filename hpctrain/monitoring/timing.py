@@ -3,7 +3,9 @@
 Phases: ``data`` (reading and moving the batch), ``forward_backward``, ``allreduce_wait``
 (time blocked on gradient averaging beyond what overlapped with the backward pass),
 ``optimizer`` and ``checkpoint``. The trainer hands :meth:`PhaseTimer.times` of every step
-to its callbacks, so monitoring code can aggregate them across steps and ranks.
+to its callbacks; :class:`PhaseTotals` adds them up on each rank between two gathers of the
+monitor. :data:`PHASES` is the one list of phases: the slow-rank rule, the monitor and its
+records use it as defined here.
 
 >>> timer = PhaseTimer()
 >>> timer.start_step()
@@ -15,7 +17,12 @@ to its callbacks, so monitoring code can aggregate them across steps and ranks.
 import contextlib
 import time
 
+import numpy as np
+
+#: The phases of one training step, in the order they are timed, gathered and written.
 PHASES = ("data", "forward_backward", "allreduce_wait", "optimizer", "checkpoint")
+#: What :class:`PhaseTotals` holds per rank, in this order (one gathered row).
+FIELDS = ("steps", "wall_sum", "wall_max") + tuple(f"{p}_sum" for p in PHASES) + ("other_sum", "gather_s")
 
 
 class PhaseTimer:
@@ -52,3 +59,36 @@ class PhaseTimer:
         out = dict(self._times)
         out["step"] = self._clock() - self._step_start if self._step_start is not None else sum(self._times.values())
         return out
+
+
+class PhaseTotals:
+    """One rank's sums of :meth:`PhaseTimer.times` since the last gather, as one float64 row
+    laid out as :data:`FIELDS`, so that it is gathered as it is. Purely local."""
+
+    STEPS, WALL, WALL_MAX, PHASE0 = 0, 1, 2, 3
+    OTHER = PHASE0 + len(PHASES)
+    GATHER = OTHER + 1
+
+    def __init__(self):
+        self.values = np.zeros(len(FIELDS))
+        self.last_end = None  # when the previous step's callbacks were done
+
+    def add(self, phase_times, now):
+        """One step's times; ``now``: when its callbacks began."""
+        known = [float(phase_times.get(p) or 0.0) for p in PHASES]
+        # "step" (the timer's own wall time) is a total, not a phase
+        other = sum(float(v or 0.0) for k, v in phase_times.items() if k not in PHASES and k != "step")
+        # Between two calls is the whole step as this rank lived it; the first call has
+        # only the phases to go by.
+        wall = now - self.last_end if self.last_end is not None else sum(known) + other
+        v = self.values
+        v[self.STEPS] += 1
+        v[self.WALL] += wall
+        v[self.WALL_MAX] = max(v[self.WALL_MAX], wall)
+        v[self.PHASE0:self.OTHER] += known
+        v[self.OTHER] += other
+
+    def reset(self, gather_seconds):
+        """After a gather: start again, keeping the gather's time for the next one."""
+        self.values[:] = 0.0
+        self.values[self.GATHER] = gather_seconds

@@ -40,6 +40,7 @@ batch = 16
 monitor = Monitor(args.run_dir, comm, log_every=args.log_every, progress=args.progress,
                   gather_every=args.gather_every, consistency_every=args.consistency_every,
                   slow_rank_window=3, total_steps=args.steps, samples_per_step=batch * size)
+assert (monitor.root is not None) == (rank == 0), "rank 0 alone holds the run log"
 generator = torch.Generator().manual_seed(rank)
 for step in range(1, args.steps + 1):
     times = {}
@@ -67,18 +68,17 @@ for step in range(1, args.steps + 1):
             model.weight[0, 3] += 1e-3  # one element on one rank: the replicas now differ
     t4 = time.perf_counter()
     times = {"data": t1 - t0, "forward_backward": t2 - t1, "allreduce_wait": t3 - t2, "optimizer": t4 - t3}
-    metrics = {"loss": loss.detach(), "lr": 0.05}
     state.progress.step = step
     state.progress.epoch = (step - 1) // 20
-    if args.checkpoint_every and step % args.checkpoint_every == 0:
+    if args.checkpoint_every and step % args.checkpoint_every == 0:  # as the trainer saves
         t5 = time.perf_counter()
         path = f"{args.run_dir}/ckpt-{step}.pt"
         if rank == 0:
             torch.save(model.state_dict(), path)
         comm.Barrier()
         times["checkpoint"] = time.perf_counter() - t5
-        metrics["checkpoint"] = {"path": path, "seconds": times["checkpoint"]}
-    monitor.on_step(state, metrics, times)
+        monitor.on_checkpoint(state, path, times["checkpoint"])
+    monitor.on_step(state, {"loss": loss.detach(), "lr": 0.05}, times)
     if args.eval_every and step % args.eval_every == 0:
         with torch.no_grad():
             val = float(torch.nn.functional.mse_loss(model(x), y))
