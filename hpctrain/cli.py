@@ -15,7 +15,7 @@ from . import __version__
 # subcommand -> (module, help). Each module has ``main(argv) -> int``.
 SUBCOMMANDS = {
     "doctor": ("hpctrain.doctor", "check that this machine can run a parallel job, and say how to fix it"),
-    "train": ("hpctrain.training.trainer", "train a model data-parallel (launch under mpirun or srun)"),
+    "train": ("hpctrain.training.command", "train a model data-parallel (launch under mpirun or srun)"),
     "ckpt": ("hpctrain.checkpoint.cli", "list, inspect, verify and export checkpoints"),
     "report": ("hpctrain.monitoring.report", "write plots and a summary of a finished run"),
 }

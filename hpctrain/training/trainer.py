@@ -21,30 +21,23 @@ locally), wait for the all-reduce that averages them over ranks, apply them. The
 generators are re-seeded from ``(seed, step, rank)`` every step and the data order comes
 from ``(seed, epoch)``, so ``Progress`` alone says where to resume.
 """
-import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import numpy as np
 
-from .. import settings
-from ..job import runlock
+from ..job import rundir, runlock
 from ..config import TrainConfig, load_config, validate
-from ..coordination import abort_on_exception, all_or_none, any_rank, on_root
+from ..coordination import all_or_none, any_rank, on_root
 from ..errors import ConfigError
 from ..monitoring.monitor import Monitor, build_callbacks
 from ..state import Progress, TrainState
 from ..monitoring.timing import PhaseTimer
 from ..job.watchdog import Watchdog
-
-# Exit status of `hpctrain train` when it stopped because a stop was requested (after saving).
-STOP_EXIT_CODE = 3
 
 
 @dataclass
@@ -107,7 +100,7 @@ class Trainer:
         t = cfg.train
         backend = self.backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
                                              cfg.comm.gradient_predivide_factor)
-        run_dir = on_root(lambda: _make_run_dir(cfg, world, backend), comm)
+        run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
 
         train, val = self._datasets(cfg, world)
         sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
@@ -337,29 +330,6 @@ def _check_enough_data(sampler):
             f"{sampler.num_samples} training samples", hint="lower train.batch_size or train.accumulation")
 
 
-def _make_run_dir(cfg, world, backend):
-    """Create the run directory (rank 0) and write the resolved configuration into it."""
-    if cfg.run.run_dir:
-        path = cfg.run.run_dir
-    else:
-        root = cfg.run.root or settings.get("RUN_ROOT") or "runs"
-        base = os.path.join(root, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        path, n = base, 1
-        while os.path.exists(path):  # two runs started in the same second
-            n += 1
-            path = f"{base}-{n}"
-    os.makedirs(path, exist_ok=True)
-    # One job per run directory: a second job stops here, before it overwrites anything.
-    runlock.acquire(path)
-    resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
-    with open(os.path.join(path, "config.toml"), "w") as f:
-        f.write(f"# resolved configuration of this run: {world.size} ranks ({world.launcher}), "
-                f"{backend.name} backend, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                f"# train.batch_size is per rank\n\n")
-        f.write(resolved.to_toml())
-    return os.path.abspath(path)
-
-
 def _default_checkpoints(cfg, world, run_dir):
     if importlib.util.find_spec("hpctrain.checkpoint") is None:
         return None
@@ -380,40 +350,3 @@ def _size(model):
 
     params, tensors = count_parameters(model)
     return f"{params:,} parameters in {tensors} tensors"
-
-
-# ---------------------------------------------------------------- command line
-def _signal_flag():
-    """Slurm's warning signals (USR1, TERM) as a stop flag, when hpctrain.job.preemption is there."""
-    if importlib.util.find_spec("hpctrain.job.preemption") is None:
-        return None
-    from ..job import preemption
-
-    preemption.install()
-    return preemption.stop_requested
-
-
-def main(argv=None):
-    """``hpctrain train CONFIG [section.key=value ...]``: 0 done, 3 stopped on request, 2 bad input."""
-    parser = argparse.ArgumentParser(
-        prog="hpctrain train", description="Train data-parallel; launch with mpirun or srun --mpi=pmix.",
-        epilog="example: mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32 comm.backend=mpi")
-    parser.add_argument("config", help="TOML configuration file")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override a configuration value, e.g. train.lr=0.05")
-    args = parser.parse_args(argv)
-
-    from ..world import init_world
-
-    with abort_on_exception(None):  # before MPI there is no job to abort
-        world = init_world()
-    with abort_on_exception(world.comm, where=world.node):
-        cfg = all_or_none(lambda: load_config(args.config, args.overrides), world.comm)
-        result = Trainer(cfg, world=world, stop_requested=_signal_flag()).fit()
-    if world.is_root:
-        print(f"run directory: {result.run_dir}", flush=True)
-    return STOP_EXIT_CODE if result.stopped else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

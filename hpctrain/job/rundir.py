@@ -1,0 +1,34 @@
+"""The run directory: where a run's configuration, checkpoints and metrics go.
+
+``run.run_dir`` when set (a requeued job comes back to it), else a new
+``<run.root or HPCTRAIN_RUN_ROOT or runs>/<run.name>-<date>-<time>``.
+"""
+import dataclasses
+import os
+import time
+
+from .. import settings
+from . import runlock
+
+
+def create(cfg, world, backend):
+    """Create the run directory (rank 0) and write the resolved configuration into it."""
+    if cfg.run.run_dir:
+        path = cfg.run.run_dir
+    else:
+        root = cfg.run.root or settings.get("RUN_ROOT") or "runs"
+        base = os.path.join(root, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        path, n = base, 1
+        while os.path.exists(path):  # two runs started in the same second
+            n += 1
+            path = f"{base}-{n}"
+    os.makedirs(path, exist_ok=True)
+    # One job per run directory: a second job stops here, before it overwrites anything.
+    runlock.acquire(path)
+    resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
+    with open(os.path.join(path, "config.toml"), "w") as f:
+        f.write(f"# resolved configuration of this run: {world.size} ranks ({world.launcher}), "
+                f"{backend.name} backend, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                f"# train.batch_size is per rank\n\n")
+        f.write(resolved.to_toml())
+    return os.path.abspath(path)
