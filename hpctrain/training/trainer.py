@@ -26,18 +26,18 @@ import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..job import rundir, runlock
 from ..config import TrainConfig, load_config, validate
 from ..coordination import all_or_none, any_rank, on_root
 from ..errors import ConfigError
-from ..monitoring.monitor import Monitor, build_callbacks
-from ..state import Progress, TrainState
-from ..monitoring.timing import PhaseTimer
+from ..job import rundir, runlock
 from ..job.watchdog import Watchdog
+from ..monitoring.monitor import Monitor, build_callbacks
+from ..monitoring.timing import PhaseTimer
+from ..state import Progress, TrainState
 
 
 @dataclass
@@ -50,6 +50,33 @@ class FitResult:
     stopped: bool  # True when stop_requested() ended the run early
     train_loss: Optional[float] = None  # mean over ranks, last step
     metrics: Dict[str, float] = field(default_factory=dict)  # last evaluation
+
+
+# Why an epoch of training returned.
+EPOCH_END, MAX_STEPS, STOP_REQUESTED = "epoch_end", "max_steps", "stop_requested"
+
+
+@dataclass
+class Run:
+    """One call of :meth:`Trainer.fit`: what set-up built, and what the loop carries between steps."""
+
+    world: Any
+    cfg: TrainConfig
+    backend: Any
+    run_dir: str
+    train: Any
+    val: Any
+    sampler: Any
+    state: TrainState
+    checkpoints: Any
+    callbacks: list
+    timer: PhaseTimer
+    watchdog: Watchdog
+    loss_fn: Any
+    base_lr: float
+    last_loss: Optional[float] = None  # this rank's, of the last step
+    metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
+    evaluated_at: Optional[int] = None  # the step of the last evaluation
 
 
 class Trainer:
@@ -82,37 +109,70 @@ class Trainer:
         self.checkpoints = checkpoints
         self.callbacks = list(callbacks)
         self.stop_requested = stop_requested
+        self.run = None  # the Run of the current or last fit()
+
+    @property
+    def state(self):
+        """The model, optimizer and progress of the current or last run."""
+        return None if self.run is None else self.run.state
 
     # ------------------------------------------------------------------ the run
     def fit(self):
+        # What one rank can clean up alone (watchdog, run lock) is undone on every way out;
+        # the collective rest (_close) only when no exception left other ranks behind.
+        with contextlib.ExitStack() as local:
+            run = self.run = self._set_up(local)
+            why = EPOCH_END
+            while why == EPOCH_END and run.state.progress.epoch < run.cfg.train.epochs:
+                why = self._train_epoch(run)
+                if why == EPOCH_END:
+                    self._end_epoch(run)
+            stopped = why == STOP_REQUESTED
+            if stopped:
+                self._log(f"stop requested: saving at step {run.state.progress.step}")
+                self._save(run, requested=True)
+            train_loss = self._finish(run, stopped)
+            self._close(run)
+        progress, metrics = run.state.progress, run.metrics
+        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self._log(f"{'stopped' if stopped else 'done'} at step {progress.step}, epoch {progress.epoch}: "
+                  f"train loss {train_loss if train_loss is None else round(train_loss, 4)} {shown}")
+        return FitResult(run.run_dir, progress.step, progress.epoch, stopped, train_loss, dict(metrics))
+
+    def _set_up(self, local):
+        """Validate, then build the run in an order every rank follows; ``local`` gets the
+        cleanup of what needs it."""
         import torch
 
         from ..backends import get_backend
         from ..data import ShardSampler
+        from ..models import build_model, count_parameters
         from ..world import init_world
 
         world = self.world = self.world or init_world()
         comm = world.comm
         cuda = world.device.startswith("cuda")
         # Every rank checks the same thing before any collective; all fail alike or none.
-        cfg = self.config = all_or_none(
+        cfg = all_or_none(
             lambda: validate(self.config, world.size, cuda=cuda, need_data=self.train_data is None), comm)
         t = cfg.train
-        backend = self.backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
-                                             cfg.comm.gradient_predivide_factor)
+        backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
+                              cfg.comm.gradient_predivide_factor)
         run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
+        if world.is_root:
+            local.callback(runlock.release, run_dir)
 
         train, val = self._datasets(cfg, world)
         sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
         all_or_none(lambda: _check_enough_data(sampler), comm)
 
         torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
-        model = self.model if self.model is not None else _build_model(cfg)
+        model = self.model if self.model is not None else build_model(cfg.model)
         model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
         optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
-        state = self.state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler)
+        state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler)
 
         checkpoints = self.checkpoints
         if checkpoints == "auto":
@@ -121,9 +181,6 @@ class Trainer:
             sampler.seed = state.progress.seed  # the data order of the run being resumed
         backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
 
-        progress = state.progress
-        loss_fn = self.loss_fn or torch.nn.CrossEntropyLoss()
-        timer = PhaseTimer(sync=torch.cuda.synchronize if cuda else None)
         total_steps = sampler.steps_per_epoch * t.epochs
         if t.max_steps:
             total_steps = min(total_steps, t.max_steps)
@@ -134,85 +191,92 @@ class Trainer:
             # Every rank builds it: the monitor gathers timings across ranks.
             callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
                                         samples_per_step=sampler.global_batch) + callbacks
-        self._callbacks = callbacks
-        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model "
-                  f"{_size(model)}; global batch {sampler.global_batch} = {t.batch_size} x {world.size} "
-                  f"ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; run dir {run_dir}")
+        params, tensors = count_parameters(model)
+        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model {params:,} "
+                  f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
+                  f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
+                  f"run dir {run_dir}")
 
-        metrics, last_loss, stopped, evaluated_at = {}, None, False, None
         # A step that outlives step_timeout (a rank stuck in a collective) ends the whole job.
-        watchdog = Watchdog(t.step_timeout or None, comm=comm, where=world.where())
+        watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=comm, where=world.where()))
         model.train()
-        while progress.epoch < t.epochs and not stopped:
-            for micro_batches in sampler.steps(progress.epoch, progress.samples_in_epoch, world.rank):
-                if t.max_steps and progress.step >= t.max_steps:
-                    break
-                timer.start_step()
-                lr = _set_lr(optimizer, base_lr, t.warmup_steps, progress.step)
-                with watchdog.step(progress.step + 1):
-                    last_loss = self._train_step(micro_batches, train, loss_fn, timer, cfg, world)
-                progress.step += 1
-                progress.samples_in_epoch += sampler.global_batch
-                step_metrics = {"loss": last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
+        return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
+                   PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
+                   self.loss_fn or torch.nn.CrossEntropyLoss(), base_lr)
 
-                fresh = None  # metrics go to the checkpoints only on the step that measured them
-                if t.eval_every and progress.step % t.eval_every == 0 and val is not None:
-                    metrics = fresh = self._evaluate(val, loss_fn, cfg, world)
-                    evaluated_at = progress.step
-                with timer.phase("checkpoint"):
-                    self._save(checkpoints, metrics=fresh)
-                phase_times = timer.times()
-                for cb in callbacks:
-                    _call(cb, "on_step", state, step_metrics, phase_times)
+    def _train_epoch(self, run):
+        """Train from where the run stands to the end of its epoch, or until it must stop."""
+        t, progress = run.cfg.train, run.state.progress
+        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.world.rank):
+            if t.max_steps and progress.step >= t.max_steps:
+                return MAX_STEPS
+            self._step(run, micro_batches)
+            # Agree at every step boundary, so all ranks save and stop after the same step.
+            if self.stop_requested is not None and any_rank(bool(self.stop_requested()), run.world.comm):
+                return STOP_REQUESTED
+        return EPOCH_END
 
-                # Agree at every step boundary, so all ranks save and stop after the same step.
-                if self.stop_requested is not None and any_rank(bool(self.stop_requested()), comm):
-                    self._log(f"stop requested: saving at step {progress.step}")
-                    self._save(checkpoints, requested=True)
-                    stopped = True
-                    break
-            else:  # the epoch ran to its end
-                progress.epoch += 1
-                progress.samples_in_epoch = 0
-                if val is not None:
-                    metrics = self._evaluate(val, loss_fn, cfg, world)
-                    evaluated_at = progress.step
-                self._save(checkpoints, epoch_end=True, metrics=metrics or None)
-                continue
-            break  # max_steps or a stop
+    def _end_epoch(self, run):
+        progress = run.state.progress
+        progress.epoch += 1
+        progress.samples_in_epoch = 0
+        if run.val is not None:
+            self._evaluate(run)
+        self._save(run, epoch_end=True, metrics=run.metrics or None)
 
-        train_loss = None if last_loss is None else backend.allreduce_mean(last_loss)
-        if val is not None and not stopped and evaluated_at != progress.step:  # ended mid-epoch
-            metrics = self._evaluate(val, loss_fn, cfg, world)
+    def _finish(self, run, stopped):
+        """The mean last loss over ranks; unless stopped, a last evaluation and the final save."""
+        train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
         if not stopped:
-            self._save(checkpoints, final=True, metrics=metrics or None)
-        for cb in callbacks:
-            _call(cb, "on_end", state)
-        watchdog.close()
-        if checkpoints is not None:
-            checkpoints.close()
-        backend.close()
-        if world.is_root:
-            runlock.release(run_dir)
-        shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self._log(f"{'stopped' if stopped else 'done'} at step {progress.step}, epoch {progress.epoch}: "
-                  f"train loss {train_loss if train_loss is None else round(train_loss, 4)} {shown}")
-        return FitResult(run_dir, progress.step, progress.epoch, stopped, train_loss, dict(metrics))
+            if run.val is not None and run.evaluated_at != run.state.progress.step:  # ended mid-epoch
+                self._evaluate(run)
+            self._save(run, final=True, metrics=run.metrics or None)
+        return train_loss
+
+    def _close(self, run):
+        """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over
+        ranks and closing checkpoints waits for a background save, which a rank that failed
+        alone never joins; the job is being aborted then anyway."""
+        for cb in run.callbacks:
+            _call(cb, "on_end", run.state)
+        if run.checkpoints is not None:
+            run.checkpoints.close()
+        run.backend.close()
 
     # ------------------------------------------------------------------ one step
-    def _train_step(self, micro_batches, train, loss_fn, timer, cfg, world):
+    def _step(self, run, micro_batches):
+        """One optimizer step, then the evaluation and checkpoint it is due and the callbacks."""
+        t, progress, timer = run.cfg.train, run.state.progress, run.timer
+        timer.start_step()
+        lr = _set_lr(run.state.optimizer, run.base_lr, t.warmup_steps, progress.step)
+        with run.watchdog.step(progress.step + 1):
+            run.last_loss = self._train_step(run, micro_batches)
+        progress.step += 1
+        progress.samples_in_epoch += run.sampler.global_batch
+        step_metrics = {"loss": run.last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
+
+        fresh = None  # metrics go to the checkpoints only on the step that measured them
+        if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
+            fresh = self._evaluate(run)
+        with timer.phase("checkpoint"):
+            self._save(run, metrics=fresh)
+        phase_times = timer.times()
+        for cb in run.callbacks:
+            _call(cb, "on_step", run.state, step_metrics, phase_times)
+
+    def _train_step(self, run, micro_batches):
         """Forward/backward every micro-batch, average gradients, apply them; mean loss."""
-        state, backend = self.state, self.backend
+        state, backend, timer, device = run.state, run.backend, run.timer, run.world.device
         model, optimizer, scaler = state.model, state.optimizer, state.scaler
-        _seed_step(state.progress.seed, state.progress.step, world.rank)
+        _seed_step(state.progress.seed, state.progress.step, run.world.rank)
         total = 0.0
         for indices in micro_batches:
             with timer.phase("data"):
-                x, y = train.read(indices)
-                x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+                x, y = run.train.read(indices)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with timer.phase("forward_backward"):
-                with _autocast(cfg.train.precision, world.device):
-                    loss = loss_fn(model(x), y)
+                with _autocast(run.cfg.train.precision, device):
+                    loss = run.loss_fn(model(x), y)
                 # Dividing by the micro-batch count makes the summed gradient a mean.
                 scaled = loss / len(micro_batches)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -224,45 +288,46 @@ class Trainer:
             optimizer.zero_grad()
         return total / len(micro_batches)
 
-    def _save(self, checkpoints, **when):
+    def _save(self, run, **when):
         """Save if ``when`` calls for it (collective); tell the callbacks what was saved."""
-        if checkpoints is None:
+        if run.checkpoints is None:
             return None
         started = time.perf_counter()
-        path = checkpoints.maybe_save(self.state, **when)
+        path = run.checkpoints.maybe_save(run.state, **when)
         if path:
-            for cb in self._callbacks:
-                _call(cb, "on_checkpoint", self.state, path, time.perf_counter() - started)
+            for cb in run.callbacks:
+                _call(cb, "on_checkpoint", run.state, path, time.perf_counter() - started)
         return path
 
-    def _evaluate(self, val, loss_fn, cfg, world):
+    def _evaluate(self, run):
         """Loss and accuracy over the whole validation set, each rank scoring its part."""
         import torch
 
         from ..data import eval_shard
 
-        model = self.state.model
+        model, val, world, t = run.state.model, run.val, run.world, run.cfg.train
         indices = eval_shard(len(val), world.rank, world.size)
-        size = cfg.train.eval_batch_size or cfg.train.batch_size
+        size = t.eval_batch_size or t.batch_size
         sums = torch.zeros(3, dtype=torch.float64)  # loss x count, correct, count
         model.eval()
         with torch.no_grad():
             for lo in range(0, len(indices), size):
                 x, y = val.read(indices[lo:lo + size])
                 x, y = x.to(world.device), y.to(world.device)
-                with _autocast(cfg.train.precision, world.device):
+                with _autocast(t.precision, world.device):
                     out = model(x)
-                sums[0] += float(loss_fn(out.float(), y)) * len(y)
+                sums[0] += float(run.loss_fn(out.float(), y)) * len(y)
                 if out.dim() == 2 and not y.dtype.is_floating_point:
                     sums[1] += float((out.argmax(dim=1) == y).sum())
                 sums[2] += len(y)
         model.train()
         # Sums, not per-rank means: ranks may hold different numbers of samples.
-        loss_sum, correct, count = self.backend.allreduce_mean(sums).tolist()
-        metrics = {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
-        for cb in self._callbacks:
-            _call(cb, "on_eval", self.state, metrics)
-        return metrics
+        loss_sum, correct, count = run.backend.allreduce_mean(sums).tolist()
+        run.metrics = {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
+        run.evaluated_at = run.state.progress.step
+        for cb in run.callbacks:
+            _call(cb, "on_eval", run.state, run.metrics)
+        return run.metrics
 
     # ------------------------------------------------------------------ helpers
     def _datasets(self, cfg, world):
@@ -282,12 +347,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- pieces of fit()
-def _build_model(cfg):
-    from ..models import build_model
-
-    return build_model(cfg.model)
-
-
 def _make_optimizer(model, t, lr):
     import torch
 
@@ -343,10 +402,3 @@ def _call(callback, name, *args):
     method = getattr(callback, name, None)
     if method is not None:
         method(*args)
-
-
-def _size(model):
-    from ..models import count_parameters
-
-    params, tensors = count_parameters(model)
-    return f"{params:,} parameters in {tensors} tensors"
