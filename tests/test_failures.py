@@ -82,7 +82,7 @@ def test_watchdog_quiet_when_steps_are_fast_and_between_steps():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-def test_watchdog_timeout_from_environment_and_off_by_default():
+def test_watchdog_timeout_from_environment_and_off_by_default(monkeypatch):
     proc = _run_python("""
         from hpctrain.job.watchdog import Watchdog
         print(Watchdog().timeout, Watchdog().enabled)
@@ -90,8 +90,8 @@ def test_watchdog_timeout_from_environment_and_off_by_default():
     assert proc.stdout.split() == ["12.5", "True"], proc.stderr
     from hpctrain.job.watchdog import Watchdog
 
-    if "HPCTRAIN_WATCHDOG_TIMEOUT" not in __import__("os").environ:
-        assert not Watchdog().enabled
+    monkeypatch.delenv("HPCTRAIN_WATCHDOG_TIMEOUT", raising=False)
+    assert Watchdog().timeout == 0 and not Watchdog().enabled
     with pytest.raises(ValueError, match="must be >= 0"):
         Watchdog(timeout=-1)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpctrain import preemption
+from hpctrain.job import preemption
 from mpi_harness import PYTHON, ROOT, mpi_env
 
 
@@ -81,7 +81,7 @@ def test_requeue_command_exit_status_without_scontrol(tmp_path):
 LOOP = textwrap.dedent("""
     import os, sys, time
     from mpi4py import MPI
-    from hpctrain import preemption
+    from hpctrain.job import preemption
     from hpctrain.coordination import any_rank
 
     comm = MPI.COMM_WORLD

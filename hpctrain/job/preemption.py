@@ -7,7 +7,7 @@ when it ends the job. Here both only set a flag: the handler does no I/O and tou
 MPI, since it may run while this rank is inside a collective. Only some ranks may get the
 signal, so the trainer agrees at the next step boundary::
 
-    from hpctrain import preemption
+    from hpctrain.job import preemption
     from hpctrain.coordination import any_rank
 
     preemption.install()                       # once, on every rank
