@@ -1,13 +1,14 @@
 """Smoke runs of every benchmark at tiny sizes under a real mpirun: each writes JSON with
-the expected fields and sane values, and the report renders it. Not a test of speed."""
+the expected fields and sane values, and the report renders it with the verdict its numbers
+give. The report's verdicts are also checked on numbers chosen around the targets. Not a
+test of speed."""
 import json
+import re
 import sys
 
 import pytest
 
 from mpi_harness import ROOT, mpirun
-
-pytestmark = pytest.mark.mpi
 
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -29,6 +30,7 @@ def read(path):
     return doc
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("backend", ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
     not _have_horovod(), reason="Horovod is not installed (make setup)"))])
 def test_allreduce(tmp_path, backend):
@@ -49,6 +51,7 @@ def test_allreduce(tmp_path, backend):
             assert r["ratio_to_fused"] == 1.0
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("impl", ["ddp", "mpi"])
 def test_train_step(tmp_path, impl):
     out = tmp_path / "ts.json"
@@ -64,6 +67,7 @@ def test_train_step(tmp_path, impl):
     assert len(r["step_samples_s"]) == 2
 
 
+@pytest.mark.mpi
 def test_ckpt_io(tmp_path):
     out = tmp_path / "ck.json"
     run(2, "ckpt_io.py", "--state-mib", "4", "--reps", "1", "--dir", tmp_path / "scratch", "--stall",
@@ -85,8 +89,56 @@ def test_ckpt_io(tmp_path):
     assert list((tmp_path / "scratch").glob("*.h5")) == []  # removed after each measurement
 
 
-def test_report_renders_every_section(tmp_path):
+def targets(table):
+    """The rows of the report's ``## Targets`` table: {target: (measured, verdict)}."""
+    assert "## Targets\n\n| target | measured | verdict |\n|---|---|---|\n" in table, table
+    rows = {}
+    for line in table.split("## Targets", 1)[1].splitlines()[4:]:
+        if not line.startswith("|"):
+            break
+        m = re.fullmatch(r"\| (.+) \| (\S+) \| (\S+) \|", line)
+        assert m, line
+        rows[m.group(1)] = (m.group(2), m.group(3))
+    return rows
+
+
+def _allreduce_doc(ranks, backend, ratio):
+    row = lambda path, r: {"path": path, "bytes": 4 * 2 ** 20, "ratio_to_fused": r, "busbw_gbs": 1.0}  # noqa: E731
+    return {"benchmark": "allreduce", "ranks": ranks,
+            "results": [row("fused_allreduce", 1.0), row(f"{backend}_none", ratio)]}
+
+
+def test_targets_give_each_verdict(tmp_path):
+    # Measurements chosen on each side of the 1.2x target, and on it.
     from report import render
+
+    for name, doc in {"allreduce-mpi-2": _allreduce_doc(2, "mpi", 1.2),
+                      "allreduce-horovod-2": _allreduce_doc(2, "horovod", 1.5),
+                      "allreduce-mpi-4": _allreduce_doc(4, "mpi", 0.9)}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    assert targets(render(str(tmp_path))) == {
+        "sync mpi none 4 MiB 2 ranks <= 1.2x fused": ("1.20", "met"),
+        "sync horovod none 4 MiB 2 ranks <= 1.2x fused": ("1.50", "MISSED"),
+        "sync mpi none 4 MiB 4 ranks <= 1.2x fused": ("0.90", "met"),
+    }
+
+
+def test_no_measurements_no_targets(tmp_path):
+    from report import render
+
+    (tmp_path / "allreduce-mpi-2.json").write_text(json.dumps(dict(_allreduce_doc(2, "mpi", 1.0), results=[
+        {"path": "mpi_none", "bytes": 65536, "ratio_to_fused": 3.0, "busbw_gbs": 1.0}])))
+    table = render(str(tmp_path))
+    assert "| 2 | 64 KiB |" in table and "## Targets" not in table  # small sizes are shown, not judged
+
+
+def _verdict(value, limit):
+    return "met" if value <= limit else "MISSED"
+
+
+@pytest.mark.mpi
+def test_report_renders_every_section(tmp_path):
+    from report import TARGETS, render
 
     run(2, "allreduce.py", "--backend", "mpi", "--sizes", "4194304", "--reps-scale", "0.1",
         "--out", tmp_path / "allreduce-mpi-2.json")
@@ -98,4 +150,13 @@ def test_report_renders_every_section(tmp_path):
     table = render(str(tmp_path))
     assert "## 1. Gradient all-reduce" in table and "| 2 | 4 MiB |" in table
     assert "## 2. Training step, large model" in table and "| mpi none |" in table
-    assert "## Targets" in table and ("met" in table or "MISSED" in table)
+    assert "## 4. Scaling" in table
+    # One verdict per judged measurement, each the one its numbers give.
+    (sync,) = [r["ratio_to_fused"] for r in read(tmp_path / "allreduce-mpi-2.json")["results"]
+               if r["path"] == "mpi_none"]
+    mpi, ddp = (read(tmp_path / f"train_step-large-{impl}-none-2.json")["results"] for impl in ("mpi", "ddp"))
+    step = mpi["step_over_local"] / ddp["step_over_local"]
+    assert targets(table) == {
+        "sync mpi none 4 MiB 2 ranks <= 1.2x fused": (f"{sync:.2f}", _verdict(sync, TARGETS["sync"])),
+        "step mpi none, large model, <= DDP (normalised)": (f"{step:.2f}", _verdict(step, TARGETS["step"])),
+    }
