@@ -9,7 +9,8 @@
 #   3. otherwise stop and say what to `module load`.
 # Compiled Python packages (mpi4py, h5py, Horovod) are built once into wheels and cached
 # under $HPCTRAIN_CACHE (default ~/.cache/hpctrain/wheels), keyed by what they were built
-# against, so a second setup rebuilds nothing.
+# against, so a second setup rebuilds nothing. PyPI's serial h5py wheel, which one test of
+# `hpctrain doctor` needs, is downloaded once into the same cache.
 #
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 # TORCH_SPEC (pip requirement for torch, default torch==2.13.0), HPCTRAIN_CACHE,
@@ -124,6 +125,19 @@ if ! pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)'; then
   "${PIP[@]}" --no-deps "$whl"
   pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \
     || die "h5py was installed but has no MPI support; check that HDF5 ($HDF5_VERSION) is a parallel build"
+fi
+
+# The test that `hpctrain doctor` names the fix for a serial h5py needs a real one: PyPI's
+# wheel of the same version (HDF5 bundled, no MPI). Fetched once into the cache, so that the
+# tests install it from this file and never reach the network.
+H5PY_VERSION=$("$PY" -c 'from importlib.metadata import version; print(version("h5py"))')
+SERIAL_H5PY="$CACHE/h5py-serial-$H5PY_VERSION-$PYVER"
+if ! ls "$SERIAL_H5PY"/h5py-*.whl >/dev/null 2>&1; then
+  say "downloading the serial h5py $H5PY_VERSION wheel once, for the tests (into $SERIAL_H5PY)"
+  mkdir -p "$SERIAL_H5PY"
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      "h5py==$H5PY_VERSION" -d "$SERIAL_H5PY" \
+    || say "WARNING: could not download it; only tests/test_doctor.py::test_serial_h5py_names_the_fix needs it"
 fi
 
 # Horovod 0.28.1 asks for C++14, PyTorch >= 2.1 headers need C++17: patch the sdist.

@@ -1,5 +1,6 @@
 """`hpctrain doctor` against the real stack, and its failure paths in real environments
-that lack a piece (a site-packages view without Horovod, a serial h5py from PyPI)."""
+that lack a piece (a site-packages view without Horovod, PyPI's serial h5py wheel, which
+`make setup` downloads once so that these tests reach no network)."""
 import json
 import os
 import subprocess
@@ -105,16 +106,31 @@ def test_missing_horovod_is_fine_for_the_mpi_backend(tmp_path):
     assert "[warn] horovod" in proc.stdout
 
 
+def _wheel_cache():
+    """scripts/setup.sh's wheel cache: $HPCTRAIN_CACHE, else $XDG_CACHE_HOME/hpctrain, else
+    ~/.cache/hpctrain, then wheels/."""
+    base = os.environ.get("HPCTRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "hpctrain")
+    return Path(base) / "wheels"
+
+
 @pytest.fixture(scope="session")
 def serial_h5py(tmp_path_factory):
-    """The PyPI wheel of h5py: a real h5py built without MPI."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hpctrain" / "test-serial-h5py"
-    if not any(cache.glob("h5py/__init__.py")):
-        proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
-                               "--target", str(cache), "h5py"], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            pytest.skip(f"could not fetch the serial h5py wheel from PyPI: {proc.stderr[-500:]}")
-    return cache
+    """A real h5py built without MPI: PyPI's wheel of this h5py's version, which `make setup`
+    downloads once into its wheel cache. Installed from that file only: no index, no network."""
+    from importlib.metadata import version
+
+    folder = _wheel_cache() / f"h5py-serial-{version('h5py')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    wheels = sorted(folder.glob("h5py-*.whl"))
+    if not wheels:
+        pytest.fail(f"no serial h5py wheel in {folder}: run `make setup` (scripts/setup.sh downloads it once)")
+    target = tmp_path_factory.mktemp("serial-h5py")
+    # No pip configuration either: its index and find-links settings are not consulted.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check",
+                    "--target", str(target), str(wheels[-1])], check=True, timeout=120, env=env)
+    return target
 
 
 def test_serial_h5py_names_the_fix(tmp_path, serial_h5py):
