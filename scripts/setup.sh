@@ -89,9 +89,10 @@ pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
 
 pyok 'import torch, numpy' || { say "installing $TORCH_SPEC and numpy"; "${PIP[@]}" "$TORCH_SPEC" numpy; }
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-pyok 'import numpy, pytest, tqdm, matplotlib, sklearn, safetensors, cython, pkgconfig, setuptools' || {
-  say "installing numpy, pytest, tqdm, matplotlib, scikit-learn, safetensors and build tools"
-  "${PIP[@]}" numpy pytest tqdm matplotlib scikit-learn safetensors cython pkgconfig setuptools packaging psutil
+# hpctrain's own runtime dependencies come with it at the end, from setup.cfg.
+pyok 'import numpy, pytest, cython, pkgconfig, setuptools, packaging, psutil' || {
+  say "installing numpy, pytest and build tools"
+  "${PIP[@]}" numpy pytest cython pkgconfig setuptools packaging psutil
 }
 
 # Build (or reuse) a wheel of a compiled package. $1 name, $2 cache key, $3.. build command
@@ -159,8 +160,11 @@ if ! pyok 'import horovod.torch'; then
 fi
 
 # ---------------------------------------------------------------- hpctrain itself
+# With the dependencies setup.cfg declares (torch, mpi4py, h5py and Horovod are deliberately
+# not among them: they are the builds above), and the extras the tests and the digits example use.
 pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
   && [ -x "$VENV/bin/hpctrain" ] \
-  || { say "installing hpctrain (editable)"; "${PIP[@]}" --no-deps --no-build-isolation -e .; }
+  && pyok 'import tqdm, matplotlib, sklearn, safetensors' \
+  || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors]"; }
 
 say "done: $VENV ready (torch $TORCH_VERSION). Check it with: $VENV/bin/hpctrain doctor"
