@@ -4,8 +4,9 @@
 variable                   meaning                                           default      read by
 =========================  ================================================  ===========  ==============================
 HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``;    ``horovod``  ``config.load_config``;
-                           overrides ``comm.backend`` of the TOML file                    ``doctor`` (is Horovod needed)
-HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``./runs``   ``training.trainer``
+                           overrides the TOML file's ``comm.backend`` (a                  ``doctor`` (is Horovod needed)
+                           ``comm.backend=...`` override wins)
+HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``./runs``   ``job.rundir``
                            config sets neither ``run.run_dir`` nor
                            ``run.root``
 HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.manager``
@@ -26,8 +27,8 @@ Launcher variables describe the job, not hpctrain, and are read where they are i
   node), and ``OMP_NUM_THREADS`` (torch threads per rank);
 * :mod:`hpctrain.job.preemption`: ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID`` and
   ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner);
-* :mod:`hpctrain.job.watchdog` and :mod:`hpctrain.monitoring.monitor`: ``SLURMD_NODENAME``
-  (the host named in their messages, as :func:`hpctrain.world.node_name` does).
+* :mod:`hpctrain.job.watchdog`: ``SLURMD_NODENAME`` (the host named in its message, as
+  :func:`hpctrain.world.node_name` reads it).
 """
 import os
 
