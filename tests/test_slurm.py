@@ -129,7 +129,7 @@ def test_requeue_helper_puts_the_job_back(slurm_cluster, tmp_path, array):
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from hpctrain import runlock
+    from hpctrain.job import runlock
     from hpctrain.errors import HpctrainError
     try:
         with runlock.hold(sys.argv[1]):

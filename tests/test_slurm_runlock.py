@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from hpctrain import runlock
+from hpctrain.job import runlock
 from hpctrain.errors import HpctrainError
 
 
 def _holder(run_dir, seconds):
     """Another live process that takes the lock and keeps it."""
-    code = ("import sys, time; from hpctrain import runlock; runlock.acquire(sys.argv[1]); "
+    code = ("import sys, time; from hpctrain.job import runlock; runlock.acquire(sys.argv[1]); "
             "print('held', flush=True); time.sleep(float(sys.argv[2]))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(seconds)],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, SLURM_JOB_ID=""))
