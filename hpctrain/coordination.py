@@ -3,6 +3,10 @@
 * :func:`on_root` runs a step on rank 0 and hands every rank the same result, or the same
   exception, so no rank is ever left waiting in a collective that another skipped.
 * :func:`all_or_none` lets every rank run a step and raises on all of them if any failed.
+* :func:`raise_if_any` is the same for steps that keep going after a failure (collective
+  I/O must): every rank hands in what failed on it, and all raise one error naming it all.
+* :func:`any_rank` is true on every rank when a flag is true on one.
+* :func:`everywhere` marks an exception that every rank raises alike.
 * :func:`abort_on_exception` turns an unhandled exception on one rank into an abort of the
   whole job, with the rank and host named, instead of a hang.
 """
@@ -29,8 +33,13 @@ def _describe(rank, exc):
     return f"rank {rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
 
 
-def _collective(exc):
-    """Mark an exception as raised on every rank alike (no abort needed to end the job)."""
+def everywhere(exc):
+    """Mark an exception as raised on every rank alike (after a collective that told every
+    rank the same), so that :func:`abort_on_exception` ends the ranks normally instead of
+    aborting the job.
+
+    >>> raise everywhere(CheckpointError("no valid checkpoint"))   # doctest: +SKIP
+    """
     exc.collective = True
     return exc
 
@@ -49,8 +58,8 @@ def _pack(exc, rank):
 
 def _raise_everywhere(failed_rank, exc, text, comm):
     if comm.Get_rank() == failed_rank or isinstance(exc, HpctrainError):
-        raise _collective(exc)
-    raise _collective(RemoteError(f"failed on {text}"))
+        raise everywhere(exc)
+    raise everywhere(RemoteError(f"failed on {text}"))
 
 
 def on_root(step, comm, root=0):
@@ -70,7 +79,7 @@ def on_root(step, comm, root=0):
     if ok:
         return payload
     if comm.Get_rank() == root:
-        raise _collective(original)
+        raise everywhere(original)
     _raise_everywhere(root, payload[0], payload[1], comm)
 
 
@@ -86,11 +95,24 @@ def all_or_none(step, comm):
         result, mine = None, exc
     outcome = comm.allgather(None if mine is None else _pack(mine, comm.Get_rank()))
     if mine is not None:
-        raise _collective(mine)
+        raise everywhere(mine)
     for rank, packed in enumerate(outcome):
         if packed is not None:
             _raise_everywhere(rank, packed[0], packed[1], comm)
     return result
+
+
+def raise_if_any(errors, comm, make_error):
+    """Collective: every rank passes the messages of what failed on it (often none). If any
+    rank passed one, every rank raises ``make_error(problems)``, marked :func:`everywhere`;
+    ``problems`` is every rank's messages, in rank order, each prefixed with rank and host.
+
+    >>> raise_if_any(errors, comm, lambda problems: CheckpointError("\\n".join(problems)))  # doctest: +SKIP
+    """
+    mine = [f"rank {comm.Get_rank()} on {socket.gethostname()}: {e}" for e in errors]
+    problems = [p for rank_list in comm.allgather(mine) for p in rank_list]
+    if problems:
+        raise everywhere(make_error(problems))
 
 
 def any_rank(flag, comm):

@@ -2,7 +2,7 @@
 
 from mpi4py import MPI
 
-from hpctrain.coordination import all_or_none, any_rank, on_root
+from hpctrain.coordination import all_or_none, any_rank, on_root, raise_if_any
 from hpctrain.errors import ConfigError, RemoteError
 
 comm = MPI.COMM_WORLD
@@ -36,6 +36,15 @@ except RemoteError as exc:
     assert rank != size - 1 and f"rank {size - 1}" in str(exc) and "only-on-last" in str(exc)
 
 assert all_or_none(lambda: rank * 2, comm) == rank * 2
+
+# Errors that ranks collected on the way: every rank raises one error that names them all.
+try:
+    raise_if_any(["disk full"] if rank == size - 1 else [], comm,
+                 lambda problems: ConfigError("writing failed: " + "; ".join(problems)))
+    raise SystemExit("raise_if_any did not raise")
+except ConfigError as exc:
+    assert f"rank {size - 1} on " in str(exc) and "disk full" in str(exc) and exc.collective, str(exc)
+assert raise_if_any([], comm, ConfigError) is None
 assert any_rank(rank == size - 1, comm) is True
 assert any_rank(False, comm) is False
 comm.Barrier()
