@@ -172,16 +172,12 @@ def _write_atomically(path, write):
     """Write through a temporary name and rename, so no reader sees half a file."""
     import h5py
 
+    from .fsutil import replaced
+
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with replaced(path) as tmp, h5py.File(tmp, "w") as f:
+        write(f)
     return path
 
 

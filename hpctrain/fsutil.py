@@ -5,8 +5,11 @@ The order is what makes a file survive a crash: write a temp file, fsync it, ren
 the old name (atomic on POSIX), fsync the directory so that the rename itself is on disk.
 """
 import contextlib
+import logging
 import os
 import secrets
+
+log = logging.getLogger("hpctrain")
 
 TMP_MARK = ".tmp-"
 
@@ -32,32 +35,43 @@ def durable_rename(tmp, final):
 
 
 def remove_quietly(path):
-    """Remove ``path`` if it exists; True if it is gone."""
+    """Remove ``path`` if it exists; True if it is gone (a failure is logged, not raised)."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
-    except OSError:
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
         return False
     return True
 
 
 @contextlib.contextmanager
+def replaced(path):
+    """Write ``path`` all or nothing, by name: yields the temp path to create; on success it
+    is fsynced and renamed over ``path``, on an exception it is removed and ``path`` is
+    untouched.
+
+    >>> with replaced("data/digits.h5") as tmp:    # doctest: +SKIP
+    ...     h5py.File(tmp, "w").close()
+    """
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        durable_rename(tmp, path)
+    finally:
+        remove_quietly(tmp)
+
+
+@contextlib.contextmanager
 def replacing(path, mode="w"):
-    """Write ``path`` all or nothing: yields an open temp file; on success it is fsynced
-    and renamed over ``path``, on an exception it is removed and ``path`` is untouched.
+    """:func:`replaced` with the temp file open: yields the file object.
 
     >>> with replacing("run/latest") as f:        # doctest: +SKIP
     ...     f.write("ckpt-00000100.h5\\n")
     """
-    tmp = temp_name(path)
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-        durable_rename(tmp, path)
-    finally:
-        remove_quietly(tmp)
+    with replaced(path) as tmp, open(tmp, mode) as f:
+        yield f
 
 
 def write_text(path, text):

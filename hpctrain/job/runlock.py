@@ -27,6 +27,7 @@ import socket
 import subprocess
 import time
 
+from .. import fsutil
 from ..errors import HpctrainError
 from .preemption import slurm_job_id
 
@@ -147,10 +148,7 @@ def acquire(run_dir, environ=None):
                     f"run directory {run_dir} is in use by {_describe(holder)}",
                     hint=f"give this run its own directory; if that job is really gone, delete {path}")
             # Stale: replace it atomically, so two jobs taking over at once cannot both win.
-            tmp = f"{path}.{me['host']}.{me['pid']}"
-            with open(tmp, "w") as f:
-                json.dump(me, f)
-            os.replace(tmp, path)
+            fsutil.write_text(path, json.dumps(me))
             with open(path) as f:
                 if json.load(f) == me:
                     return path
