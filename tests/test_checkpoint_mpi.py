@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from assertions import ranks_say
 from mpi_harness import ROOT, mpirun
 
 pytestmark = pytest.mark.mpi
@@ -16,25 +17,19 @@ SCRIPTS = ROOT / "tests" / "mpi"
 TIMEOUT = 150
 
 
-def _ranks_say(result, n, text):
-    for rank in range(n):
-        assert f"RANK {rank} {text}" in result.stdout, (
-            f"rank {rank} did not print {text!r}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint written by 2 ranks in parallel, with a torch.save reference beside it."""
     d = tmp_path_factory.mktemp("saved")
     result = mpirun(2, [SCRIPTS / "ckpt_roundtrip.py", "save", d], timeout=TIMEOUT).check()
-    _ranks_say(result, 2, "SAVED")
+    ranks_say(result, "SAVED", 2)
     return d
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_save_on_2_load_on_n(saved, n):
     result = mpirun(n, [SCRIPTS / "ckpt_roundtrip.py", "load", saved], timeout=TIMEOUT).check()
-    _ranks_say(result, n, f"LOADED OK of {n}")
+    ranks_say(result, f"LOADED OK of {n}", n)
 
 
 def test_file_is_plain_hdf5(saved):
@@ -110,16 +105,15 @@ def test_serial_fallback_writes_the_same_format(tmp_path):
     with h5py.File(tmp_path / "checkpoints" / "ckpt-00000002.h5", "r") as f:
         assert f.attrs["io_mode"] == "serial" and f.attrs["nwriters"] == 1
     # read back in parallel, and serially
-    _ranks_say(mpirun(2, [SCRIPTS / "ckpt_roundtrip.py", "load", tmp_path], timeout=TIMEOUT).check(), 2, "LOADED OK")
-    _ranks_say(mpirun(2, [SCRIPTS / "ckpt_roundtrip.py", "load", tmp_path], env=env, timeout=TIMEOUT).check(),
-               2, "LOADED OK")
+    for load_env in (None, env):
+        load = mpirun(2, [SCRIPTS / "ckpt_roundtrip.py", "load", tmp_path], env=load_env, timeout=TIMEOUT).check()
+        ranks_say(load, "LOADED OK", 2)
 
 
 def test_more_ranks_than_tensors(tmp_path):
-    _ranks_say(mpirun(4, [SCRIPTS / "ckpt_roundtrip.py", "save", tmp_path, "--tiny"], timeout=TIMEOUT).check(),
-               4, "SAVED")
-    _ranks_say(mpirun(4, [SCRIPTS / "ckpt_roundtrip.py", "load", tmp_path, "--tiny"], timeout=TIMEOUT).check(),
-               4, "LOADED OK of 4")
+    for mode, text in (("save", "SAVED"), ("load", "LOADED OK of 4")):
+        result = mpirun(4, [SCRIPTS / "ckpt_roundtrip.py", mode, tmp_path, "--tiny"], timeout=TIMEOUT).check()
+        ranks_say(result, text, 4)
 
 
 @pytest.mark.parametrize("async_save", ["0", "1"])
@@ -133,9 +127,9 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path, async_save):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     mpirun(2, [script, whole, 6], timeout=TIMEOUT).check()
     first = mpirun(2, [script, parts, 3, "every_steps=3", f"async_save={async_save}"], timeout=TIMEOUT).check()
-    _ranks_say(first, 2, "saved ckpt-00000003.h5")
+    ranks_say(first, "saved ckpt-00000003.h5", 2)
     second = mpirun(2, [script, parts, 6, "resume=auto"], timeout=TIMEOUT).check()
-    _ranks_say(second, 2, "resumed=True at step 3")
+    ranks_say(second, "resumed=True at step 3", 2)
     a = torch.load(whole / "final.pt", weights_only=False)
     b = torch.load(parts / "final.pt", weights_only=False)
     cc._same(a["model"], b["model"], "model")
@@ -150,10 +144,10 @@ SCENARIOS = ["retention", "latest_failure", "async_same", "corrupt_fallback", "t
 def test_scenarios(tmp_path):
     result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, *SCENARIOS], timeout=TIMEOUT).check()
     for name in SCENARIOS:
-        _ranks_say(result, 2, f"{name} OK")
+        ranks_say(result, f"{name} OK", 2)
     for name in ["latest_failure", "corrupt_fallback", "truncated", "missing_dataset", "wrong_version",
                  "shape_mismatch", "unwritable", "consistency"]:
-        _ranks_say(result, 2, f"{name} ERROR: ")
+        ranks_say(result, f"{name} ERROR: ", 2)
     assert "skipping checkpoint" in result.stderr and "/model/fc1.weight" in result.stderr
     assert "copying rank 0's to every rank" in result.stderr
 
@@ -176,9 +170,9 @@ def test_disk_full_and_read_only_file_systems(tmp_path):
         if mounted_ro:
             args += ["--ro", ro]
         result = mpirun(2, args, timeout=TIMEOUT).check()
-        _ranks_say(result, 2, "disk_full ERROR: ")
-        _ranks_say(result, 2, "disk_full OK")
-        _ranks_say(result, 2, "unwritable OK")
+        ranks_say(result, "disk_full ERROR: ", 2)
+        ranks_say(result, "disk_full OK", 2)
+        ranks_say(result, "unwritable OK", 2)
         assert "No space left on device" in result.stdout
     finally:
         subprocess.run(["umount", str(full)], timeout=30)
@@ -188,6 +182,6 @@ def test_disk_full_and_read_only_file_systems(tmp_path):
 def test_corrupt_file_fails_the_job_on_every_rank(tmp_path):
     result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, "exit_corrupt"], timeout=TIMEOUT)
     assert result.returncode != 0
-    _ranks_say(result, 2, "exit_corrupt ERROR: ")
+    ranks_say(result, "exit_corrupt ERROR: ", 2)
     assert "/optimizer/state/embed.weight/exp_avg" in result.stdout
     assert "hpctrain: error:" in result.stderr and "NO ERROR" not in result.stdout

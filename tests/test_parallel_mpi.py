@@ -2,6 +2,7 @@
 as one process, bitwise-equal replicas, checkpoints across layouts, clear failures."""
 import pytest
 
+from assertions import ranks_say
 from mpi_harness import ROOT, PYTHON, mpi_env, mpirun
 
 pytestmark = pytest.mark.mpi
@@ -12,12 +13,6 @@ TIMEOUT = 150
 ENV = {"PYTHONPATH": f"{ROOT}:{SCRIPTS}"}
 
 
-def _ranks_say(result, text, n=4):
-    for rank in range(n):
-        assert f"RANK {rank} {text}" in result.stdout, (
-            f"rank {rank} did not print {text!r}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
-
-
 @pytest.mark.parametrize("args", [
     ["--stages", "4", "--schedule", "gpipe"],
     ["--stages", "4", "--schedule", "1f1b"],
@@ -25,13 +20,13 @@ def _ranks_say(result, text, n=4):
 ], ids=["pipeline-gpipe", "pipeline-1f1b", "pipeline-x-tensor-time-balanced"])
 def test_pipeline_matches_single_process(args):
     result = mpirun(4, [SCRIPTS / "parallel_train.py", *args, "--tol", "1e-5"], timeout=TIMEOUT, env=ENV).check()
-    _ranks_say(result, "MATCH")
+    ranks_say(result, "MATCH", 4)
 
 
 def test_tensor_parallel_matches_single_process():
     result = mpirun(4, [SCRIPTS / "parallel_train.py", "--tensor", "4", "--tol", "1e-5"], timeout=TIMEOUT,
                     env=ENV).check()
-    _ranks_say(result, "MATCH")
+    ranks_say(result, "MATCH", 4)
 
 
 @pytest.mark.parametrize("args,tol", [
@@ -41,8 +36,8 @@ def test_tensor_parallel_matches_single_process():
 ], ids=["2stages-x-2replicas", "2stages-x-2replicas-fp16", "2tensor-x-2replicas"])
 def test_hybrid_replicas_stay_identical(args, tol):
     result = mpirun(4, [SCRIPTS / "parallel_train.py", *args, "--tol", tol], timeout=TIMEOUT, env=ENV).check()
-    _ranks_say(result, "MATCH")
-    _ranks_say(result, "REPLICAS IDENTICAL")
+    ranks_say(result, "MATCH", 4)
+    ranks_say(result, "REPLICAS IDENTICAL", 4)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def saved(tmp_path_factory):
     """Checkpoint written by 2 stages x 2 replicas after 3 SGD (momentum) steps."""
     d = tmp_path_factory.mktemp("parallel-ckpt")
     result = mpirun(4, [SCRIPTS / "parallel_ckpt.py", "save", d, "--stages", "2"], timeout=TIMEOUT, env=ENV).check()
-    _ranks_say(result, "SAVED")
+    ranks_say(result, "SAVED", 4)
     return d
 
 
@@ -59,7 +54,7 @@ def saved(tmp_path_factory):
                          ids=["4x1", "1x4-data-parallel", "2x1-tensor2", "1x1-tensor4"])
 def test_checkpoint_loads_in_another_layout(saved, args):
     result = mpirun(4, [SCRIPTS / "parallel_ckpt.py", "load", saved, *args], timeout=TIMEOUT, env=ENV).check()
-    _ranks_say(result, "LOADED SAME")
+    ranks_say(result, "LOADED SAME", 4)
 
 
 def test_checkpoint_is_the_ordinary_format(saved):
@@ -87,7 +82,7 @@ def test_checkpoint_into_a_different_model_fails_clearly(saved):
     result = mpirun(4, [SCRIPTS / "parallel_ckpt.py", "load", saved, "--stages", "2", "--width", "24"],
                     timeout=TIMEOUT, env=ENV)
     assert result.returncode != 0
-    _ranks_say(result, "LOAD FAILED CheckpointError")
+    ranks_say(result, "LOAD FAILED CheckpointError", 4)
     assert "does not fit this model" in result.stderr
     assert "/model/0.weight: this layout needs a tensor of shape [24, 8], the file has [16, 8]" in result.stderr
 
@@ -102,6 +97,6 @@ def test_checkpoint_into_a_different_model_fails_clearly(saved):
 def test_misconfigured_layout_fails_on_every_rank(case, message):
     result = mpirun(4, [SCRIPTS / "parallel_misconfig.py", case], timeout=60, env=ENV)
     assert result.returncode != 0
-    _ranks_say(result, "ERROR ConfigError")
+    ranks_say(result, "ERROR ConfigError", 4)
     assert message in result.stderr
     assert "HINT:" in result.stderr
