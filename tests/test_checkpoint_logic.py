@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint import format as fmt
+from hpctrain.fsutil import temp_name
 
 
 def test_names_sort_like_steps_and_round_trip():
@@ -18,7 +19,8 @@ def test_names_sort_like_steps_and_round_trip():
     assert sorted(names) == names
     for not_one in ("latest", "ckpt-00000120.h5.tmp-1-ab", "ckpt-12.h5", "ckpt-00000012.pt", ".probe"):
         assert fmt.parse_step(not_one) is None
-    assert fmt.parse_step(fmt.temp_name("ckpt-00000001.h5", "x")) is None
+    assert fmt.parse_step(temp_name("ckpt-00000001.h5", "x")) is None
+    assert fmt.parse_step(temp_name("ckpt-00000001.h5")) is None
     with pytest.raises(ValueError):
         fmt.checkpoint_name(-1)
 
@@ -99,7 +101,7 @@ def test_select_keep_last_best_milestones():
     assert fmt.select_keep(ckpts, keep_last=0) == {100, 200, 300, 400, 500, 600}
     assert fmt.select_keep(ckpts, keep_last=1, keep_best=2) == {600, 200, 500}
     assert fmt.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max") == {600}
-    assert fmt.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max")
+    assert fmt.select_keep(ckpts, keep_last=1, keep_best=2, best_mode="max") == {600, 100}
     assert fmt.select_keep(ckpts, keep_last=1, milestone_every=200) == {200, 400, 600}
     assert fmt.select_keep([], keep_last=3) == set()
     # missing and NaN metrics never count as best; ties go to the newer
@@ -147,3 +149,24 @@ def test_tensor_encoding_round_trips_every_dtype():
     scalar = torch.tensor(7.0)
     array, name = tensor_to_array(scalar, copy=False)
     assert array.shape == () and array_to_tensor(array, name).item() == 7.0
+
+
+def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
+    """Ranks checksum what they write, by rows (data parallel) or by any region (split
+    models); the combined CRC is the dataset's, whoever wrote which part."""
+    from hpctrain.checkpoint import writer
+    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+
+    big = np.arange(600 * 600, dtype=np.float32).reshape(600, 600)  # >= 1 MiB: split by rows
+    small = np.arange(12, dtype=np.int64).reshape(3, 4)
+    snap = Snapshot([Entry("model/big", big), Entry("model/small", small), Entry("s", np.array(2.5))], {}, {})
+    plans = [writer.plan_snapshot(snap, 3, rank) for rank in range(3)]
+    assert [r for r, _ in plans[0].datasets[0].pieces] == [0, 1, 2]
+    gathered = [writer.own_checksums(p.datasets, rank) for rank, p in enumerate(plans)]
+    assert writer.combine_checksums(gathered, 3) == [fmt.crc32_bytes(a) for a in (big, small, np.array(2.5))]
+    # columns split over two tensor ranks, rows of each half over two replicas
+    regions = [((0, 300), (0, 300)), ((0, 300), (300, 600)), ((300, 600), (0, 300)), ((300, 600), (300, 600))]
+    pieces = list(enumerate(regions))
+    parts = [writer.DatasetPlan("w", big.shape, big.dtype, {}, pieces, big[fmt.slices(r)]) for r in regions]
+    gathered = [writer.own_checksums([d], rank) for rank, d in enumerate(parts)]
+    assert writer.combine_checksums(gathered, 1) == [fmt.crc32_bytes(big)]

@@ -24,7 +24,6 @@ RNG = "trainer/rng"
 
 LATEST = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
-TMP_MARK = ".tmp-"
 
 # Tensors of at least this many bytes are split along axis 0 across all ranks; smaller ones
 # go whole to the least-loaded rank. Below ~1 MiB one collective per rank costs more than
@@ -37,13 +36,6 @@ DTYPE_ATTR = "dtype"
 
 class CheckpointCorrupt(CheckpointError):
     """The file is damaged or not a checkpoint this code can read (resume may fall back)."""
-
-
-def everywhere(exc):
-    """Mark an error that every rank raises alike (after an allgather or bcast), so that
-    ``coordination.abort_on_exception`` ends the ranks normally instead of aborting."""
-    exc.collective = True
-    return exc
 
 
 # ---------------------------------------------------------------- names
@@ -59,10 +51,6 @@ def parse_step(name):
     """Step of a checkpoint file name, or None if the name is not one (temp files are not)."""
     match = NAME_RE.match(name)
     return int(match.group(1)) if match else None
-
-
-def temp_name(name, token):
-    return f"{name}{TMP_MARK}{token}"
 
 
 def param_key(name):
@@ -162,6 +150,8 @@ def crc32_bytes(array):
 
 
 # ---------------------------------------------------------------- sharing out the work
+# A region is ``((start, stop), ...)``, one pair per dimension of the dataset (``()`` for a
+# scalar): the part of a dataset that one rank writes or reads.
 
 def row_bytes(shape, itemsize):
     return itemsize * math.prod(shape[1:]) if shape else itemsize
@@ -200,6 +190,37 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
             load[rank] += nbytes_of(shape, itemsize)
             plan[i] = [(rank, 0, shape[0] if shape else 1)]
     return plan
+
+
+def rows(shape, start, stop):
+    """The region of rows ``[start, stop)`` of a dataset of ``shape``."""
+    return ((start, stop),) + tuple((0, n) for n in shape[1:]) if shape else ()
+
+
+def slices(region):
+    """The region as a tuple of slices, to index a dataset or array with."""
+    return tuple(slice(a, b) for a, b in region)
+
+
+def runs(shape, region, itemsize):
+    """Byte ``(offset, nbytes)`` of the contiguous runs ``region`` covers in the C-order
+    dataset of ``shape``, in the order of the region's own C-order elements. A region of
+    whole rows is one run."""
+    import numpy as np
+
+    if not shape:
+        return [(0, itemsize)]
+    last = max((d for d, (a, b) in enumerate(region) if (a, b) != (0, shape[d])), default=0)
+    inner = math.prod(shape[last + 1:])
+    a, b = region[last]
+    run = (b - a) * inner * itemsize
+    outer = [range(lo, hi) for lo, hi in region[:last]]
+    if not outer:
+        return [(a * inner * itemsize, run)]
+    idx = np.stack(np.meshgrid(*outer, indexing="ij"), axis=-1).reshape(-1, last)
+    start = np.concatenate([idx, np.full((len(idx), 1), a)], axis=1)
+    flat = np.ravel_multi_index(tuple(start.T), shape[:last + 1]) * inner * itemsize
+    return [(int(o), run) for o in flat]
 
 
 # ---------------------------------------------------------------- retention

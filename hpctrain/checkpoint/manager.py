@@ -10,20 +10,20 @@ temp name -> every rank writes its share of the temp file -> re-read and compare
 ``latest`` the same way -> rank 0 deletes what retention no longer keeps. A failure at any
 point, on any rank, raises :class:`CheckpointError` on all ranks, removes the temp file and
 leaves the previous checkpoint and ``latest`` as they were.
+
+Checkpoints of split models (``hpctrain.parallel.checkpoint``) take the same steps through
+:func:`save_file`; only their plan of who writes which part differs.
 """
 import atexit
-import json
 import logging
 import os
-import secrets
 import threading
 import time
 
-import numpy as np
-
-from .. import settings
-from ..coordination import all_or_none, on_root
+from .. import fsutil, settings
+from ..coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError, ConfigError
+from ..replicas import divergent_ranks, first_difference, model_fingerprints
 from . import format as fmt
 from . import reader, snapshot, writer
 
@@ -32,30 +32,9 @@ log = logging.getLogger("hpctrain.checkpoint")
 
 # ---------------------------------------------------------------- files (rank 0 only)
 
-def fsync_path(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def durable_rename(tmp, final):
-    """fsync the data, rename into place, fsync the directory entry."""
-    fsync_path(tmp)
-    os.replace(tmp, final)
-    fsync_path(os.path.dirname(final) or ".", directory=True)
-
-
 def write_latest(directory, name):
-    """Point ``latest`` at ``name``: write a temp file, fsync, rename (atomic on POSIX)."""
-    path = os.path.join(directory, fmt.LATEST)
-    tmp = fmt.temp_name(path, secrets.token_hex(4))
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    durable_rename(tmp, path)
+    """Point ``latest`` at ``name``, atomically and durably."""
+    fsutil.write_text(os.path.join(directory, fmt.LATEST), name + "\n")
 
 
 def read_latest(directory):
@@ -80,7 +59,7 @@ def scan(directory):
 def _check_writable(directory):
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, fmt.temp_name(".probe", secrets.token_hex(4)))
+        probe = fsutil.temp_name(os.path.join(directory, ".probe"))
         with open(probe, "wb") as f:
             f.write(b"0")
         os.remove(probe)
@@ -90,122 +69,103 @@ def _check_writable(directory):
                                    "scratch, not $HOME), or fix its permissions") from exc
 
 
-def _remove_quietly(path):
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove %s: %s", path, exc)
-
-
 # ---------------------------------------------------------------- replicas
 
-SAMPLE = 4096  # elements per tensor that enter the fingerprint's CRC
-
-
-def _fingerprint(tensor):
-    """``(sum, crc)`` of one tensor, cheap and exact: the sum of its raw bytes read as
-    int32 words with wrapping addition (so it depends neither on summation order nor on
-    the thread count, and NaNs compare equal) sees every element; the CRC of a strided
-    sample catches changes that keep the sum. One vectorised pass, no copy, and on a GPU
-    only the sample leaves the device."""
-    import torch
-
-    with torch.no_grad():
-        flat = tensor.detach().reshape(-1).contiguous()
-        if flat.numel() == 0:
-            return (0, 0)
-        raw = flat.view(torch.uint8) if flat.element_size() > 1 or flat.dtype == torch.bool else flat
-        if flat.is_complex():
-            raw = torch.view_as_real(flat).reshape(-1).view(torch.uint8)
-        try:
-            words = raw.view(torch.int32)
-            total = int(torch.sum(words, dtype=torch.int32))
-        except RuntimeError:  # not a whole number of aligned words: sum the bytes instead
-            total = int(torch.sum(raw.to(torch.uint8), dtype=torch.int64))
-        sample = raw[::max(1, raw.numel() // SAMPLE)].contiguous().cpu().numpy()
-    return (total, fmt.crc32_bytes(sample))
-
-
-def _model_checksums(model):
-    return [_fingerprint(t) for t in model.state_dict().values()]
-
-
-def _bcast_array(array, comm, chunk=1 << 30):
-    from mpi4py import MPI
-
-    flat = array.reshape(-1).view(np.uint8)
-    for start in range(0, flat.nbytes, chunk):  # MPI counts are 32-bit
-        comm.Bcast([flat[start:start + chunk], MPI.BYTE], root=0)
-
-
 def check_consistency(model, comm, mode="check"):
-    """Collective: compare a checksum of every rank's model tensors with rank 0's.
+    """Collective: compare fingerprints of every rank's model tensors (the ranks of ``comm``
+    hold replicas of one model, or of one part of it).
 
     ``"check"``: raise CheckpointError naming the ranks that diverged; ``"repair"``: copy
-    rank 0's tensors to every rank (with a warning); ``"off"``: do nothing.
+    the tensors of the largest group of equal ranks to the others (with a warning);
+    ``"off"``: do nothing.
     """
     if mode == "off" or comm.Get_size() == 1:
         return
     import torch
+    from mpi4py import MPI
 
-    sums = comm.allgather(_model_checksums(model))
-    diverged = [r for r, s in enumerate(sums) if s != sums[0]]
+    job_ranks, prints = zip(*comm.allgather((MPI.COMM_WORLD.Get_rank(), model_fingerprints(model))))
+    reference, diverged = divergent_ranks(prints)
     if not diverged:
         return
-    names = list(model.state_dict())
-    first = next(names[i] for i, (a, b) in enumerate(zip(sums[0], sums[diverged[0]])) if a != b)
-    ranks = ", ".join(map(str, diverged))
+    first = first_difference(list(model.state_dict()), prints[reference[0]], prints[diverged[0]])
+    ranks = ", ".join(str(job_ranks[r]) for r in diverged)
+    source = job_ranks[reference[0]]
     if mode == "repair":
         if comm.Get_rank() == 0:
-            log.warning("ranks %s hold model tensors that differ from rank 0's (first: %s); "
-                        "copying rank 0's to every rank (checkpoint.consistency=repair)", ranks, first)
+            log.warning("ranks %s hold model tensors that differ from rank %d's (first: %s); copying "
+                        "rank %d's to every rank (checkpoint.consistency=repair)", ranks, source, first, source)
         with torch.no_grad():
             for tensor in model.state_dict().values():
                 array, dtype = snapshot.tensor_to_array(tensor, copy=True)
-                _bcast_array(array, comm)
+                reader.bcast_bytes(array, reference[0], comm)
                 tensor.copy_(snapshot.array_to_tensor(array, dtype).to(tensor.device))
         return
-    raise fmt.everywhere(CheckpointError(
-        f"ranks {ranks} hold model tensors that differ from rank 0's (first differing: {first}); "
+    raise everywhere(CheckpointError(
+        f"ranks {ranks} hold model tensors that differ from rank {source}'s (first differing: {first}); "
         f"the replicas have diverged, so no checkpoint was written",
         hint="look for rank-dependent code in the model or a missed broadcast of the initial "
-             "parameters; checkpoint.consistency=repair copies rank 0's parameters instead"))
+             "parameters; checkpoint.consistency=repair copies one replica's parameters to the others"))
 
 
 # ---------------------------------------------------------------- one save, one load
+# The steps of every save, data-parallel or split model: rank 0 checks the directory and
+# names a temp file (_prepare); every rank writes its pieces, the file is re-read and
+# checked (write_verified); rank 0 makes it durable under its name (commit).
 
 def _io_mode(comm):
     forced = settings.get_bool("CKPT_SERIAL")
     return not forced and writer.h5py_parallel(), forced
 
 
-def _prepare(final, comm, run_config, metrics, reason, step, parallel):
-    """Rank 0: check the directory, choose the temp name, gather metadata and RNG states."""
-    directory = os.path.dirname(final)
-    _check_writable(directory)
-    tmp = fmt.temp_name(final, f"{os.getpid()}-{secrets.token_hex(3)}")
+def _prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual", step=0, extra=None):
+    """Rank 0: check the directory, choose the temp name, gather metadata and RNG states.
+    ``extra``: more attributes of ``/``."""
+    _check_writable(os.path.dirname(final))
     nwriters = comm.Get_size() if parallel else 1
     meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
                                   "mpio" if parallel else "serial", nwriters)
-    return {"final": final, "tmp": tmp, "meta": meta, "rng": snapshot.rng_states()}
+    meta.update(extra or {})
+    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": snapshot.rng_states()}
 
 
-def write_verified(snap, info, comm, parallel, verify, background=False):
+def write_verified(plan, info, comm, parallel, verify, background=False):
     """Collective: write the temp file and check it; remove it on any failure.
     ``background``: small write calls, so that training runs between them."""
     tmp = info["tmp"]
     call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
     try:
-        checksums = writer.write_file(tmp, snap, comm, parallel, call_bytes)
+        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes)
         if verify:
-            expected = {e.path: c for e, c in zip(snap.entries, checksums)}
+            expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
             reader.verify_written(tmp, expected, comm, parallel)
     except BaseException:
         if comm.Get_rank() == 0:
-            _remove_quietly(tmp)
+            fsutil.remove_quietly(tmp)
         raise
+
+
+def commit(info):
+    """Rank 0: the written and verified temp file becomes the checkpoint, durably."""
+    tmp, final = info["tmp"], info["final"]
+    try:
+        fsutil.durable_rename(tmp, final)
+    except OSError as exc:
+        fsutil.remove_quietly(tmp)
+        raise CheckpointError(f"could not move {tmp} to {final}: {exc}",
+                              hint="the previous checkpoint and `latest` are untouched") from exc
+    return final
+
+
+def save_file(path, comm, parallel, make_plan, verify=True, **meta):
+    """Collective: one checkpoint file through the whole pipeline, without ``latest`` or
+    retention. ``make_plan(info)``: the :class:`~.writer.Plan` of this rank, from rank 0's
+    ``info`` (``meta``: root attributes, ``rng``: its generators). ``meta``: the
+    arguments of :func:`_prepare`. Returns the file's path."""
+    path = os.path.abspath(os.fspath(path))
+    info = on_root(lambda: _prepare(path, comm, parallel, **meta), comm)
+    write_verified(make_plan(info), info, comm, parallel, verify)
+    return on_root(lambda: commit(info), comm)
 
 
 def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reason="manual",
@@ -218,21 +178,14 @@ def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reaso
     """
     comm = _comm(comm)
     parallel, _ = _io_mode(comm)
-    path = os.path.abspath(path)
     check_consistency(state.model, comm, consistency)
-    info = on_root(lambda: _prepare(path, comm, run_config, metrics, reason, state.progress.step, parallel), comm)
-    snap = snapshot.take_snapshot(state, info, copy=False)
-    write_verified(snap, info, comm, parallel, verify)
+    return save_file(path, comm, parallel, lambda info: _plan(state, info, comm, parallel), verify,
+                     run_config=run_config, metrics=metrics, reason=reason, step=state.progress.step)
 
-    def commit():
-        try:
-            durable_rename(info["tmp"], path)
-        except OSError as exc:
-            _remove_quietly(info["tmp"])
-            raise CheckpointError(f"could not move {info['tmp']} to {path}: {exc}") from exc
-        return path
 
-    return on_root(commit, comm)
+def _plan(state, info, comm, parallel, copy=False, buffers=None):
+    snap = snapshot.take_snapshot(state, info, copy=copy, buffers=buffers)
+    return writer.plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
 
 
 def _comm(comm):
@@ -266,10 +219,7 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
     def apply():
         snapshot.restore(state, typed, h.group_attrs, path)
         if restore_rng and comm.Get_rank() == 0:  # rank 0's generators, as saved
-            rng = h.group_attrs.get(fmt.RNG, {})
-            snapshot.set_rng_states({
-                "torch": arrays[f"{fmt.RNG}/torch"], "numpy_keys": arrays[f"{fmt.RNG}/numpy_keys"],
-                "numpy_meta": json.loads(rng["numpy_meta"]), "python": json.loads(rng["python"])})
+            snapshot.restore_rng(arrays, h.group_attrs)
 
     all_or_none(apply, comm)
     return h
@@ -331,9 +281,9 @@ class CheckpointManager:
         except FileNotFoundError:
             return
         for name in names:
-            if fmt.TMP_MARK in name and (name.startswith("ckpt-") or name.startswith(fmt.LATEST)):
+            if fsutil.TMP_MARK in name and (name.startswith("ckpt-") or name.startswith(fmt.LATEST)):
                 log.warning("removing %s, left by a save that did not finish", name)
-                _remove_quietly(os.path.join(self.directory, name))
+                fsutil.remove_quietly(os.path.join(self.directory, name))
 
     def _candidates(self):
         names = [n for _, n in scan(self.directory)]
@@ -376,7 +326,7 @@ class CheckpointManager:
             self._loaded(state)
             return True
         if problems:
-            raise fmt.everywhere(CheckpointError(
+            raise everywhere(CheckpointError(
                 f"no valid checkpoint in {self.directory}:\n  " + "\n  ".join(problems),
                 hint="start fresh with checkpoint.resume=none, or name a file with checkpoint.resume=PATH"))
         return False
@@ -391,14 +341,10 @@ class CheckpointManager:
 
     def maybe_save(self, state, epoch_end=False, final=False, requested=False, metrics=None):
         """Save if rank 0 says it is time; returns the path saved, or None."""
-        step = state.progress.step
-        reason = None
-        if self.world.is_root:
-            c = self.cfg
-            reason = fmt.save_reason(step, self._last_step, time.monotonic() - self._last_time,
-                                     c.every_steps, c.every_minutes, c.on_epoch_end, c.on_finish,
-                                     epoch_end, final, requested)
-        reason = self.comm.bcast(reason, root=0)
+        c = self.cfg
+        reason = on_root(lambda: fmt.save_reason(
+            state.progress.step, self._last_step, time.monotonic() - self._last_time, c.every_steps,
+            c.every_minutes, c.on_epoch_end, c.on_finish, epoch_end, final, requested), self.comm)
         if reason is None:
             return None
         return self.save(state, reason=reason, metrics=metrics)
@@ -411,23 +357,23 @@ class CheckpointManager:
         check_consistency(state.model, self.comm, self.cfg.consistency)
         step = state.progress.step
         final = os.path.join(self.directory, fmt.checkpoint_name(step))
-        info = on_root(lambda: _prepare(final, self.comm, self.run_config, metrics, reason, step, self.parallel),
+        info = on_root(lambda: _prepare(final, self.comm, self.parallel, self.run_config, metrics, reason, step),
                        self.comm)
         metric = (metrics or {}).get(self.cfg.best_metric)
         background = self.cfg.async_save and self._threads_ok()
-        snap = snapshot.take_snapshot(state, info, copy=background,
-                                      buffers=self._host_buffers if background else None)
+        plan = _plan(state, info, self.comm, self.parallel, copy=background,
+                     buffers=self._host_buffers if background else None)
         if background:
             self._last_step = step
             if self._bg_comm is None:
                 self._bg_comm = self.comm.Dup()  # the writer's collectives never meet training's
                 # A run that ends without close() must not reach MPI_Finalize mid-write.
                 atexit.register(self._join)
-            self._thread = threading.Thread(target=self._background, args=(snap, info, metric),
+            self._thread = threading.Thread(target=self._background, args=(plan, info, metric),
                                             name="hpctrain-checkpoint-writer", daemon=True)
             self._thread.start()
         else:
-            self._write_commit(snap, info, metric, self.comm)
+            self._write_commit(plan, info, metric, self.comm)
             self._last_step = step
         self._last_time = time.monotonic()
         self.last_path = final
@@ -443,24 +389,18 @@ class CheckpointManager:
                         "saving synchronously", MPI.Query_thread())
         return False
 
-    def _background(self, snap, info, metric):
+    def _background(self, plan, info, metric):
         try:
-            self._write_commit(snap, info, metric, self._bg_comm)
+            self._write_commit(plan, info, metric, self._bg_comm)
         except BaseException as exc:  # handed to the training thread by wait()
             self._bg_error = exc
 
-    def _write_commit(self, snap, info, metric, comm):
-        write_verified(snap, info, comm, self.parallel, self.cfg.verify, background=comm is self._bg_comm)
+    def _write_commit(self, plan, info, metric, comm):
+        write_verified(plan, info, comm, self.parallel, self.cfg.verify, background=comm is self._bg_comm)
         on_root(lambda: self._commit(info, metric), comm)
 
     def _commit(self, info, metric):
-        tmp, final = info["tmp"], info["final"]
-        try:
-            durable_rename(tmp, final)
-        except OSError as exc:
-            _remove_quietly(tmp)
-            raise CheckpointError(f"could not move {tmp} to {final}: {exc}",
-                                  hint="the previous checkpoint and `latest` are untouched") from exc
+        final = commit(info)
         name = os.path.basename(final)
         self._metric_cache[name] = metric
         try:
@@ -493,7 +433,7 @@ class CheckpointManager:
         latest = read_latest(self.directory)
         for step, name in found:
             if step not in keep and name != latest:
-                _remove_quietly(os.path.join(self.directory, name))
+                fsutil.remove_quietly(os.path.join(self.directory, name))
                 self._metric_cache.pop(name, None)
                 log.info("retention: removed %s", name)
 

@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from ..coordination import everywhere
 from ..errors import CheckpointError
 from . import format as fmt
 from .writer import agree, combine_checksums
@@ -119,11 +120,14 @@ MPI_MAX_BYTES = (1 << 31) - 1
 BCAST_BYTES = 1 << 30
 
 
-def _bcast_bytes(view, root, comm):
+def bcast_bytes(array, root, comm):
+    """Broadcast the bytes of the C-contiguous ``array`` from ``root``, in place, in pieces
+    that MPI's int counts can hold."""
     from mpi4py import MPI
 
-    for start in range(0, view.nbytes, BCAST_BYTES):
-        comm.Bcast([view[start:start + BCAST_BYTES], MPI.BYTE], root=root)
+    flat = _flat(array)
+    for start in range(0, flat.nbytes, BCAST_BYTES):
+        comm.Bcast([flat[start:start + BCAST_BYTES], MPI.BYTE], root=root)
 
 
 def exchange(arrays, plan, comm):
@@ -139,7 +143,7 @@ def exchange(arrays, plan, comm):
     for array, pieces in zip(arrays, plan):
         flat = _flat(array)
         if len(pieces) == 1:
-            _bcast_bytes(flat, pieces[0][0], comm)
+            bcast_bytes(flat, pieces[0][0], comm)
             continue
         rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
         if flat.nbytes <= MPI_MAX_BYTES:
@@ -149,7 +153,7 @@ def exchange(arrays, plan, comm):
             comm.Allgatherv(MPI.IN_PLACE, [flat, counts, displs, MPI.BYTE])
         else:
             for r, start, stop in pieces:
-                _bcast_bytes(flat[start * rb:stop * rb], r, comm)
+                bcast_bytes(flat[start * rb:stop * rb], r, comm)
 
 
 def _read_pieces(f, paths, arrays, plan, rank):
@@ -181,8 +185,9 @@ def _mismatches(path, paths, expected, found):
     bad = [f"/{p}: stored crc32 {e:08x}, data has {c:08x}"
            for p, e, c in zip(paths, expected, found) if e != c]
     if bad:
-        raise fmt.everywhere(fmt.CheckpointCorrupt(f"{path}: checksum mismatch in {len(bad)} dataset(s):\n  " + "\n  ".join(bad[:20]),
-                                    hint="the file was damaged after it was written; use an earlier checkpoint"))
+        raise everywhere(fmt.CheckpointCorrupt(
+            f"{path}: checksum mismatch in {len(bad)} dataset(s):\n  " + "\n  ".join(bad[:20]),
+            hint="the file was damaged after it was written; use an earlier checkpoint"))
 
 
 def open_for_read(path, comm, parallel):
@@ -209,11 +214,11 @@ def read_arrays(header, comm, parallel, keep=None, verify=True):
         except Exception as exc:
             errors.append(f"opening: {type(exc).__name__}: {exc}")
         finally:
-            _close(f, errors)
+            close_recording(f, errors)
     try:
         agree(errors, comm, header.path, "reading")
     except CheckpointError as exc:
-        raise fmt.everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
+        raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
     if verify:
         found = combine_checksums(comm.allgather(sums), len(paths))
         expected = [int(header.datasets[p][2][fmt.CRC_ATTR]) for p in paths]
@@ -231,7 +236,7 @@ def _scratch(shapes):
     return np.empty(need, dtype=np.uint8)
 
 
-def _close(f, errors):
+def close_recording(f, errors):
     """Close ``f`` if open; a failure becomes one more entry of ``errors``."""
     if f is not None:
         try:
@@ -281,7 +286,7 @@ def verify_written(path, expected, comm, parallel):
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
         finally:
-            _close(f, errors)
+            close_recording(f, errors)
     agree(errors, comm, path, "verifying")
     found = combine_checksums(comm.allgather(sums), len(paths))
     _mismatches(path, paths, [expected[p] for p in paths], found)

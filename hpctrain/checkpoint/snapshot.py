@@ -2,6 +2,9 @@
 attributes a checkpoint holds, taken from a :class:`~hpctrain.state.TrainState` (and put
 back into one). Every rank builds the same snapshot: parameters are data-parallel replicas
 and rank 0's trainer state (RNG, metadata) is broadcast first.
+
+Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG
+attributes with the same functions, and are restored by :func:`restore` with ``partial``.
 """
 import json
 import random
@@ -40,7 +43,8 @@ class Snapshot:
 
 # ---------------------------------------------------------------- tensors <-> arrays
 
-def _dtype_name(tensor):
+def dtype_name(tensor):
+    """``"float32"``, ``"bfloat16"``...: the torch dtype without ``torch.``."""
     return str(tensor.dtype).replace("torch.", "")
 
 
@@ -49,7 +53,7 @@ def tensor_to_array(tensor, copy):
     (for background writes, so training may change the tensor meanwhile)."""
     import torch
 
-    name = _dtype_name(tensor)
+    name = dtype_name(tensor)
     t = tensor.detach()
     if t.device.type != "cpu":
         t, copy = t.cpu(), False  # .cpu() already made a private copy
@@ -65,19 +69,30 @@ def tensor_to_array(tensor, copy):
     return array, name
 
 
-def array_to_tensor(array, dtype_name):
+def array_to_tensor(array, dtype):
+    """The tensor of a stored array; ``dtype``: its torch dtype name (attribute ``dtype``)."""
     import torch
 
-    raw = fmt.RAW_STORAGE.get(dtype_name)
+    raw = fmt.RAW_STORAGE.get(dtype)
     if raw is None:
         return torch.from_numpy(np.require(array, requirements="C"))
-    if dtype_name == "bool":
+    if dtype == "bool":
         return torch.from_numpy(np.require(array, requirements="C")).to(torch.bool)
     bits = {"uint16": np.int16, "uint8": np.uint8}[raw]
-    return torch.from_numpy(np.require(array, requirements="C").view(bits)).view(getattr(torch, dtype_name))
+    return torch.from_numpy(np.require(array, requirements="C").view(bits)).view(getattr(torch, dtype))
 
 
-# ---------------------------------------------------------------- optimizer parameter names
+# ---------------------------------------------------------------- names in the file
+
+def model_path(name):
+    """Dataset path of the model tensor ``name`` of ``state_dict()``."""
+    return f"{fmt.MODEL}/{fmt.param_key(name)}"
+
+
+def optimizer_state_path(pname, key):
+    """Dataset path of the optimizer state ``key`` (``exp_avg``...) of parameter ``pname``."""
+    return f"{fmt.OPT_STATE}/{fmt.param_key(pname)}/{key}"
+
 
 def optimizer_param_names(model, optimizer):
     """Names of the optimizer's parameters, in the order of its ``state_dict()`` indices."""
@@ -87,6 +102,59 @@ def optimizer_param_names(model, optimizer):
         for p in group["params"]:
             names.append(by_id.get(id(p), f"param{len(names)}"))
     return names
+
+
+def optimizer_parts(model, optimizer):
+    """The optimizer of ``model`` as the file holds it: ``(description, tensors)``.
+
+    ``description`` (plain JSON values, the same on every replica): ``{"class": name,
+    "groups": param_groups with parameter names in place of indices, "values": {parameter
+    name: its non-tensor state}}``. ``tensors``: ``[(parameter name, key, tensor)]`` of its state."""
+    if optimizer is None:
+        return {"class": "", "groups": [], "values": {}}, []
+    names = optimizer_param_names(model, optimizer)
+    sd = optimizer.state_dict()
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    values, tensors = {}, []
+    for index in sorted(sd["state"]):
+        pname = names[index] if index < len(names) else f"param{index}"
+        values[pname] = {}
+        for key in sorted(sd["state"][index]):
+            value = sd["state"][index][key]
+            if hasattr(value, "detach"):
+                tensors.append((pname, key, value))
+            else:
+                values[pname][key] = value
+    description = {"class": type(optimizer).__name__, "groups": groups, "values": values}
+    return json.loads(fmt.to_json(description)), tensors
+
+
+def optimizer_attrs(description):
+    """Group attributes of ``/optimizer`` and ``/optimizer/state/<param>`` (see :func:`optimizer_parts`)."""
+    groups = {fmt.OPTIMIZER: {"param_groups": fmt.to_json(description["groups"]), "class": description["class"]},
+              fmt.OPT_STATE: {}}
+    for pname, values in description["values"].items():
+        groups[f"{fmt.OPT_STATE}/{fmt.param_key(pname)}"] = {"values": fmt.to_json(values)}
+    return groups
+
+
+def progress_attrs(progress, rng, scaler=None):
+    """Group attributes of ``/trainer`` and ``/trainer/rng``: ``progress``, rank 0's ``rng``."""
+    p = progress
+    trainer = {
+        "step": int(p.step), "epoch": int(p.epoch), "samples_in_epoch": int(p.samples_in_epoch),
+        "seed": int(p.seed), "extra": fmt.to_json(p.extra), "best_metric": fmt.to_json(p.best_metric),
+    }
+    if scaler is not None:
+        trainer["scaler"] = fmt.to_json(scaler.state_dict())
+    return {fmt.TRAINER: trainer,
+            fmt.RNG: {"numpy_meta": fmt.to_json(rng["numpy_meta"]), "python": fmt.to_json(rng["python"])}}
+
+
+def rng_entries(rng):
+    """The datasets of rank 0's generator states."""
+    return [Entry(f"{fmt.RNG}/torch", rng["torch"], {fmt.DTYPE_ATTR: "uint8"}),
+            Entry(f"{fmt.RNG}/numpy_keys", rng["numpy_keys"], {fmt.DTYPE_ATTR: "uint32"})]
 
 
 # ---------------------------------------------------------------- environment metadata
@@ -184,60 +252,22 @@ def take_snapshot(state, root_info, copy, buffers=None):
     updated to hold exactly this snapshot's buffers. Only reuse it once the previous
     snapshot has been written.
     """
-    entries, groups = [], {}
     old = dict(buffers) if buffers is not None else None
     if buffers is not None:
         buffers.clear()
 
-    def array_of(path, tensor):
+    def entry(path, tensor):
         array, dtype = _private(path, tensor, copy, old)
         if buffers is not None and copy:
             buffers[path] = array
-        return array, dtype
+        return Entry(path, array, {fmt.DTYPE_ATTR: dtype})
 
-    for name, tensor in state.model.state_dict().items():
-        path = f"{fmt.MODEL}/{fmt.param_key(name)}"
-        array, dtype = array_of(path, tensor)
-        entries.append(Entry(path, array, {fmt.DTYPE_ATTR: dtype}))
-
-    opt = state.optimizer.state_dict() if state.optimizer is not None else {"state": {}, "param_groups": []}
-    names = optimizer_param_names(state.model, state.optimizer) if state.optimizer is not None else []
-    groups_json = []
-    for group in opt["param_groups"]:
-        g = {k: v for k, v in group.items() if k != "params"}
-        g["params"] = [names[i] for i in group["params"]]
-        groups_json.append(g)
-    groups[fmt.OPTIMIZER] = {
-        "param_groups": fmt.to_json(groups_json),
-        "class": type(state.optimizer).__name__ if state.optimizer is not None else "",
-    }
-    groups[fmt.OPT_STATE] = {}
-    for index in sorted(opt["state"]):
-        pname = names[index] if index < len(names) else f"param{index}"
-        group_path = f"{fmt.OPT_STATE}/{fmt.param_key(pname)}"
-        values = {}
-        for key in sorted(opt["state"][index]):
-            value = opt["state"][index][key]
-            if hasattr(value, "detach"):
-                array, dtype = array_of(f"{group_path}/{key}", value)
-                entries.append(Entry(f"{group_path}/{key}", array, {fmt.DTYPE_ATTR: dtype}))
-            else:
-                values[key] = value
-        groups[group_path] = {"values": fmt.to_json(values)}
-
-    p = state.progress
-    trainer = {
-        "step": int(p.step), "epoch": int(p.epoch), "samples_in_epoch": int(p.samples_in_epoch),
-        "seed": int(p.seed), "extra": fmt.to_json(p.extra),
-        "best_metric": fmt.to_json(p.best_metric),
-    }
-    if getattr(state, "scaler", None) is not None:
-        trainer["scaler"] = fmt.to_json(state.scaler.state_dict())
-    groups[fmt.TRAINER] = trainer
-    rng = root_info["rng"]
-    groups[fmt.RNG] = {"numpy_meta": fmt.to_json(rng["numpy_meta"]), "python": fmt.to_json(rng["python"])}
-    entries.append(Entry(f"{fmt.RNG}/torch", rng["torch"], {fmt.DTYPE_ATTR: "uint8"}))
-    entries.append(Entry(f"{fmt.RNG}/numpy_keys", rng["numpy_keys"], {fmt.DTYPE_ATTR: "uint32"}))
+    description, opt_tensors = optimizer_parts(state.model, state.optimizer)
+    entries = [entry(model_path(name), t) for name, t in state.model.state_dict().items()]
+    entries += [entry(optimizer_state_path(pname, key), t) for pname, key, t in opt_tensors]
+    entries += rng_entries(root_info["rng"])
+    groups = optimizer_attrs(description)
+    groups.update(progress_attrs(state.progress, root_info["rng"], getattr(state, "scaler", None)))
     return Snapshot(entries, dict(root_info["meta"]), groups)
 
 
@@ -272,48 +302,17 @@ def check_model_against(model, manifest, path):
     _check_shapes(expected, found)
 
 
-def restore(state, arrays, attrs, path):
-    """Load arrays (path -> (array, dtype name)) and group attributes into ``state``."""
-    model_sd = {}
-    for name, tensor in state.model.state_dict().items():
-        array, dtype = arrays[f"{fmt.MODEL}/{fmt.param_key(name)}"]
-        model_sd[name] = array_to_tensor(array, dtype).to(tensor.device)
+def restore(state, arrays, attrs, path, partial=False):
+    """Load arrays (path -> (array, dtype name)) and group attributes into ``state``; on an
+    error nothing has changed. ``partial``: ``state.model`` is a part of the saved model (a
+    pipeline stage): the optimizer takes the saved groups' hyperparameters and the state of
+    the parameters it has."""
+    model_sd = {name: array_to_tensor(*arrays[model_path(name)]).to(tensor.device)
+                for name, tensor in state.model.state_dict().items()}
+    opt_sd = None if state.optimizer is None else _optimizer_state(state, arrays, attrs, path, partial)
     state.model.load_state_dict(model_sd, strict=True)
-
-    if state.optimizer is not None:
-        names = optimizer_param_names(state.model, state.optimizer)
-        index = {n: i for i, n in enumerate(names)}
-        saved_groups = json.loads(attrs[fmt.OPTIMIZER]["param_groups"])
-        current = [[names[k] for k in g["params"]] for g in state.optimizer.state_dict()["param_groups"]]
-        if [g["params"] for g in saved_groups] != current:
-            raise CheckpointError(
-                f"{path}: the optimizer's parameter groups differ from the checkpoint's "
-                f"(file: {[len(g['params']) for g in saved_groups]} parameters per group, "
-                f"now: {[len(g) for g in current]})",
-                hint="build the optimizer with the same parameter groups as the run that saved it")
-        groups = []
-        for g in saved_groups:
-            g = dict(g)
-            g["params"] = [index[n] for n in g["params"]]
-            if isinstance(g.get("betas"), list):
-                g["betas"] = tuple(g["betas"])
-            groups.append(g)
-        opt_state = {}
-        prefix = fmt.OPT_STATE + "/"
-        for gpath, gattrs in attrs.items():
-            if not gpath.startswith(prefix) or "/" in gpath[len(prefix):]:
-                continue
-            pname = fmt.param_name(gpath[len(prefix):])
-            if pname not in index:
-                raise CheckpointError(f"{path}: optimizer state for {pname}, which the model does not have")
-            values = json.loads(gattrs.get("values", "{}"))
-            opt_state[index[pname]] = values
-        for dpath, (array, dtype) in arrays.items():
-            if dpath.startswith(prefix):
-                gkey, key = dpath[len(prefix):].rsplit("/", 1)
-                opt_state.setdefault(index[fmt.param_name(gkey)], {})[key] = array_to_tensor(array, dtype)
-        state.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-
+    if opt_sd is not None:
+        state.optimizer.load_state_dict(opt_sd)
     t = attrs[fmt.TRAINER]
     p = state.progress
     p.step, p.epoch = int(t["step"]), int(t["epoch"])
@@ -322,3 +321,44 @@ def restore(state, arrays, attrs, path):
     p.extra = json.loads(t["extra"])
     if "scaler" in t and getattr(state, "scaler", None) is not None:
         state.scaler.load_state_dict(json.loads(t["scaler"]))
+
+
+def _optimizer_state(state, arrays, attrs, path, partial):
+    names = optimizer_param_names(state.model, state.optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    saved_groups = json.loads(attrs[fmt.OPTIMIZER]["param_groups"])
+    saved = [[n for n in g["params"] if not partial or n in index] for g in saved_groups]
+    current = [[names[k] for k in g["params"]] for g in state.optimizer.state_dict()["param_groups"]]
+    if saved != current:
+        raise CheckpointError(
+            f"{path}: the optimizer's parameter groups differ from the checkpoint's "
+            f"(file: {[len(g) for g in saved]} parameters per group, now: {[len(g) for g in current]})",
+            hint="build the optimizer with the same parameter groups as the run that saved it")
+    groups = []
+    for g, gnames in zip(saved_groups, saved):
+        g = dict(g, params=[index[n] for n in gnames])
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    opt_state = {}
+    prefix = fmt.OPT_STATE + "/"
+    for gpath, gattrs in attrs.items():
+        if not gpath.startswith(prefix) or "/" in gpath[len(prefix):]:
+            continue
+        pname = fmt.param_name(gpath[len(prefix):])
+        if pname in index:
+            opt_state[index[pname]] = json.loads(gattrs.get("values", "{}"))
+        elif not partial:
+            raise CheckpointError(f"{path}: optimizer state for {pname}, which the model does not have")
+    for dpath, (array, dtype) in arrays.items():
+        if dpath.startswith(prefix):
+            gkey, key = dpath[len(prefix):].rsplit("/", 1)
+            opt_state.setdefault(index[fmt.param_name(gkey)], {})[key] = array_to_tensor(array, dtype)
+    return {"state": opt_state, "param_groups": groups}
+
+
+def restore_rng(arrays, attrs):
+    """Set this process's generators to the saved ones (``arrays``: path -> array)."""
+    rng = attrs.get(fmt.RNG, {})
+    set_rng_states({"torch": arrays[f"{fmt.RNG}/torch"], "numpy_keys": arrays[f"{fmt.RNG}/numpy_keys"],
+                    "numpy_meta": json.loads(rng["numpy_meta"]), "python": json.loads(rng["python"])})

@@ -1,5 +1,11 @@
-"""Writing a snapshot into one HDF5 file: collectively through MPI-IO (every rank writes
-its share), or by rank 0 alone where h5py has no MPI support.
+"""Writing a checkpoint file: collectively through MPI-IO (every rank writes its pieces),
+or by rank 0 alone where h5py has no MPI support.
+
+What differs between data-parallel and split models is only the *plan*: a list of
+:class:`DatasetPlan` saying, for every dataset, which rank writes which region and, on this
+rank, the array of its piece. :func:`plan_snapshot` makes it for data-parallel replicas
+(every rank holds every array; :func:`format.plan_pieces` shares out rows);
+``hpctrain.parallel.checkpoint`` makes it for split models.
 
 Parallel HDF5 requires every rank to make the same metadata calls with the same arguments
 and to enter every collective write. So a rank that fails keeps going through the
@@ -8,11 +14,14 @@ one rank's failure becomes the same :class:`CheckpointError` on all, never a han
 """
 import errno
 import logging
+import math
 import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..coordination import on_root
+from ..coordination import any_rank, on_root, raise_if_any
 from ..errors import CheckpointError
 from . import format as fmt
 
@@ -29,30 +38,77 @@ FAULT = None
 _UNCLOSABLE = []
 
 
+@dataclass
+class DatasetPlan:
+    """One dataset of the file and who writes it: ``pieces`` is ``[(rank, region)]`` for
+    every rank (regions as in :mod:`format`, at most one per rank, together the whole
+    dataset); ``mine`` is this rank's piece, shaped like its region, or None."""
+
+    path: str
+    shape: Tuple[int, ...]
+    dtype: np.dtype  # as stored
+    attrs: Dict[str, Any]
+    pieces: List[Tuple[int, tuple]]
+    mine: Optional[np.ndarray] = None
+
+    @property
+    def nbytes(self):
+        return fmt.nbytes_of(self.shape, self.dtype.itemsize)
+
+    def region_of(self, rank):
+        return next((region for r, region in self.pieces if r == rank), None)
+
+
+@dataclass
+class Plan:
+    """Everything one file holds, and who writes which part of it."""
+
+    datasets: List[DatasetPlan]
+    root_attrs: Dict[str, Any]
+    group_attrs: Dict[str, Dict[str, Any]]  # group path -> attributes
+
+    @property
+    def nbytes(self):
+        return sum(d.nbytes for d in self.datasets)
+
+
+def plan_snapshot(snap, nwriters, rank):
+    """The plan for a data-parallel :class:`~.snapshot.Snapshot`, of which every rank holds
+    every array: ``nwriters`` ranks share the rows as :func:`format.plan_pieces` says."""
+    arrays = [e.array for e in snap.entries]
+    rows = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nwriters)
+    datasets = []
+    for entry, array, pieces in zip(snap.entries, arrays, rows):
+        mine = next((array[a:b] if array.ndim else array for r, a, b in pieces if r == rank), None)
+        datasets.append(DatasetPlan(entry.path, array.shape, array.dtype, entry.attrs,
+                                    [(r, fmt.rows(array.shape, a, b)) for r, a, b in pieces], mine))
+    return Plan(datasets, snap.root_attrs, snap.group_attrs)
+
+
 def h5py_parallel():
     import h5py
 
     return bool(h5py.get_config().mpi)
 
 
-def _piece(array, start, stop):
-    return array if array.ndim == 0 else array[start:stop]
-
-
-def own_piece_checksums(entries, plan, rank):
-    """``[(dataset index, byte offset, nbytes, crc)]`` of this rank's pieces."""
+def own_checksums(datasets, rank):
+    """``[(dataset index, byte offset, nbytes, crc)]`` of this rank's pieces: one per
+    contiguous run of bytes its region covers in the dataset."""
     out = []
-    for i, (entry, pieces) in enumerate(zip(entries, plan)):
-        rb = fmt.row_bytes(entry.array.shape, entry.array.dtype.itemsize)
-        for r, start, stop in pieces:
-            if r == rank:
-                part = _piece(entry.array, start, stop)
-                out.append((i, start * rb, part.nbytes, fmt.crc32_bytes(part)))
+    for i, d in enumerate(datasets):
+        region = d.region_of(rank)
+        if region is None:
+            continue
+        flat = np.ascontiguousarray(d.mine).reshape(-1).view(np.uint8)
+        pos = 0
+        for offset, nbytes in fmt.runs(d.shape, region, d.dtype.itemsize):
+            out.append((i, offset, nbytes, fmt.crc32_bytes(flat[pos:pos + nbytes])))
+            pos += nbytes
     return out
 
 
 def combine_checksums(gathered, ndatasets):
-    """Per-dataset CRC-32 from every rank's ``own_piece_checksums`` lists."""
+    """Per-dataset CRC-32 from every rank's ``own_checksums`` lists."""
     per = [[] for _ in range(ndatasets)]
     for rank_list in gathered:
         for i, offset, nbytes, crc in rank_list:
@@ -66,14 +122,8 @@ def _describe(exc):
 
 def agree(errors, comm, path, what):
     """Raise the same CheckpointError on every rank if any rank has errors."""
-    import socket
-
-    mine = [f"rank {comm.Get_rank()} on {socket.gethostname()}: {e}" for e in errors]
-    everyone = comm.allgather(mine)
-    problems = [p for rank_list in everyone for p in rank_list]
-    if problems:
-        raise fmt.everywhere(CheckpointError(f"{what} {path} failed:\n  " + "\n  ".join(problems[:20]),
-                                             hint=_hint(problems)))
+    raise_if_any(errors, comm, lambda problems: CheckpointError(
+        f"{what} {path} failed:\n  " + "\n  ".join(problems[:20]), hint=_hint(problems)))
 
 
 def _hint(problems):
@@ -85,25 +135,24 @@ def _hint(problems):
     return "the previous checkpoint and `latest` are untouched; see the messages above for the failing rank"
 
 
-def create_layout(f, snap, checksums):
-    for gpath in sorted(snap.group_attrs):
+def create_layout(f, plan, checksums):
+    for gpath in sorted(plan.group_attrs):
         group = f.require_group(gpath)
-        for key, value in sorted(snap.group_attrs[gpath].items()):
+        for key, value in sorted(plan.group_attrs[gpath].items()):
             group.attrs[key] = value
     dsets = []
-    for entry, crc in zip(snap.entries, checksums):
+    for d, crc in zip(plan.datasets, checksums):
         # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
-        dset = f.create_dataset(entry.path, shape=entry.array.shape, dtype=entry.array.dtype,
-                                fill_time="never")
+        dset = f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never")
         dset.attrs[fmt.CRC_ATTR] = np.uint32(crc)
-        for key, value in sorted(entry.attrs.items()):
+        for key, value in sorted(d.attrs.items()):
             dset.attrs[key] = value
         dsets.append(dset)
-    for key, value in sorted(snap.root_attrs.items()):
+    for key, value in sorted(plan.root_attrs.items()):
         f.attrs[key] = value
-    f.attrs["ndatasets"] = len(snap.entries)
+    f.attrs["ndatasets"] = len(plan.datasets)
     # Every dataset's path, so that a reader can name one that went missing.
-    f.attrs["datasets"] = fmt.to_json([e.path for e in snap.entries])
+    f.attrs["datasets"] = fmt.to_json([d.path for d in plan.datasets])
     return dsets
 
 
@@ -114,16 +163,26 @@ CALL_BYTES = 32 << 20
 FOREGROUND_CALL_BYTES = 512 << 20
 
 
-def _rows_per_call(array, call_bytes=CALL_BYTES):
-    return max(1, call_bytes // max(1, fmt.row_bytes(array.shape, array.dtype.itemsize)))
+def _rows_per_call(region, itemsize, call_bytes):
+    return max(1, call_bytes // max(1, itemsize * math.prod(b - a for a, b in region[1:])))
 
 
-def _calls(array, pieces, call_bytes=CALL_BYTES):
+def _calls(d, call_bytes):
     """Collective calls for one dataset: the same number on every rank (from the plan)."""
-    if array.ndim == 0:
+    if not d.shape:
         return 1
-    step = _rows_per_call(array, call_bytes)
-    return max(1, max(-(-(b - a) // step) for _, a, b in pieces))
+    return max(1, max(-(-(r[0][1] - r[0][0]) // _rows_per_call(r, d.dtype.itemsize, call_bytes))
+                      for _, r in d.pieces))
+
+
+def _chunks(d, region, call_bytes):
+    """``[(rows of the local piece, global region)]`` of the write calls for ``region``."""
+    if not region:  # a scalar (``...`` keeps it an array)
+        return [(..., ())]
+    (a, b), rest = region[0], region[1:]
+    step = _rows_per_call(region, d.dtype.itemsize, call_bytes)
+    return [(slice(lo - a, min(b, lo + step) - a), ((lo, min(b, lo + step)),) + rest)
+            for lo in range(a, b, step)]
 
 
 def _check_fault(path, rank):
@@ -144,18 +203,14 @@ def write_empty(dset):
     dset.id.write(mspace, fspace, np.zeros(1, dtype=dset.dtype), dxpl=dxpl)
 
 
-def _write_rows(dset, array, start, stop, step):
-    """Independent writes of rows [start, stop), ``step`` rows a call."""
-    if array.ndim == 0:
-        dset[()] = array
-        return
-    for lo in range(start, stop, step):
-        hi = min(stop, lo + step)
-        dset[lo:hi] = array[lo:hi]
+def _write_alone(dset, d, region, call_bytes):
+    """Independent writes of this rank's piece, ``call_bytes`` a call."""
+    for local, where in _chunks(d, region, call_bytes):
+        dset[fmt.slices(where)] = d.mine[local]
 
 
-def write_parallel(path, snap, comm, call_bytes=CALL_BYTES):
-    """All ranks write ``snap`` into a new file ``path`` (collective).
+def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
+    """All ranks write ``plan`` into a new file ``path`` (collective); returns the checksums.
 
     Datasets split among ranks are written in collective calls of up to ``call_bytes``
     per rank; a dataset that one rank holds whole is written by that rank alone
@@ -163,11 +218,10 @@ def write_parallel(path, snap, comm, call_bytes=CALL_BYTES):
     another's small write."""
     import h5py
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    entries = snap.entries
-    plan = fmt.plan_pieces([(e.array.shape, e.array.dtype.itemsize) for e in entries], size)
+    rank = comm.Get_rank()
+    datasets = plan.datasets
     # Checksums first: parallel HDF5 wants attribute values identical on every rank.
-    checksums = combine_checksums(comm.allgather(own_piece_checksums(entries, plan, rank)), len(entries))
+    checksums = combine_checksums(comm.allgather(own_checksums(datasets, rank)), len(datasets))
 
     errors, f = [], None
     try:
@@ -177,47 +231,39 @@ def write_parallel(path, snap, comm, call_bytes=CALL_BYTES):
     agree(errors, comm, path, "creating")
     try:
         try:
-            dsets = create_layout(f, snap, checksums)
+            dsets = create_layout(f, plan, checksums)
         except Exception as exc:
             errors.append(f"creating datasets: {_describe(exc)}")
         agree(errors, comm, path, "creating datasets in")
         alone = []
-        for entry, dset, pieces in zip(entries, dsets, plan):
-            if len(pieces) == 1:
-                try:
-                    _check_fault(entry.path, rank)  # the hook fails the named rank, owner or not
-                    if pieces[0][0] == rank:
-                        alone.append((entry, dset, pieces[0]))
-                except OSError as exc:
-                    errors.append(f"writing /{entry.path}: {_describe(exc)}")
-                continue
-            mine = [(a, b) for r, a, b in pieces if r == rank and b > a]
+        for d, dset in zip(datasets, dsets):
+            region = d.region_of(rank)
             try:
-                _check_fault(entry.path, rank)
+                _check_fault(d.path, rank)  # the hook fails the named rank, owner or not
             except OSError as exc:
-                errors.append(f"writing /{entry.path}: {_describe(exc)}")
-                mine = []  # still enter the collectives, with nothing
-            step = _rows_per_call(entry.array, call_bytes)
-            for call in range(_calls(entry.array, pieces, call_bytes)):
-                part = None
-                if mine:
-                    a, b = mine[0]
-                    lo, hi = a + call * step, min(b, a + (call + 1) * step)
-                    part = (lo, hi) if hi > lo else None
+                errors.append(f"writing /{d.path}: {_describe(exc)}")
+                region = None  # still enter the collectives, with nothing
+            if len(d.pieces) == 1:
+                if region is not None:
+                    alone.append((d, dset, region))
+                continue
+            chunks = _chunks(d, region, call_bytes) if region is not None else []
+            for call in range(_calls(d, call_bytes)):
                 try:
                     with dset.collective:
-                        if part is None:
-                            write_empty(dset)
+                        if call < len(chunks):
+                            local, where = chunks[call]
+                            dset[fmt.slices(where)] = d.mine[local]
                         else:
-                            dset[part[0]:part[1]] = entry.array[part[0]:part[1]]
+                            write_empty(dset)
                 except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
-                    errors.append(f"writing /{entry.path}: {_describe(exc)}")
-        for entry, dset, (_, a, b) in alone:
+                    errors.append(f"writing /{d.path}: {_describe(exc)}")
+        for d, dset, region in alone:
             try:
-                _write_rows(dset, entry.array, a, b, _rows_per_call(entry.array, call_bytes))
+                _write_alone(dset, d, region, call_bytes)
             except Exception as exc:
-                errors.append(f"writing /{entry.path}: {_describe(exc)}")
-        failed = bool(comm.allreduce(len(errors)))
+                errors.append(f"writing /{d.path}: {_describe(exc)}")
+        failed = any_rank(errors, comm)
         if failed and rank == 0:
             # The file is garbage now. Truncating it gives back the space a full disk
             # needs for the metadata that closing writes; a close that fails leaves
@@ -240,7 +286,7 @@ def write_parallel(path, snap, comm, call_bytes=CALL_BYTES):
                 errors.append(f"closing: {_describe(exc)}")
                 _UNCLOSABLE.append(f)  # never let HDF5 free it again (see above)
     if errors:
-        errors.append(_space_note(path, snap.nbytes))
+        errors.append(_space_note(path, plan.nbytes))
     agree(errors, comm, path, "writing")
     return checksums
 
@@ -257,21 +303,20 @@ def _space_note(path, needed):
     return f"{free} bytes free on the file system, the checkpoint needs {needed}"
 
 
-def write_serial(path, snap):
-    """Rank 0 alone writes the same format with the default (POSIX) driver."""
+def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
+    """This process alone writes ``plan`` (made for one writer, rank 0) with the default
+    (POSIX) driver; returns the checksums."""
     import h5py
 
-    entries = snap.entries
-    checksums = [fmt.crc32_bytes(e.array) for e in entries]
+    checksums = combine_checksums([own_checksums(plan.datasets, 0)], len(plan.datasets))
     try:
         with h5py.File(path, "w", libver=LIBVER) as f:
-            dsets = create_layout(f, snap, checksums)
-            for entry, dset in zip(entries, dsets):
+            for d, dset in zip(plan.datasets, create_layout(f, plan, checksums)):
                 try:
-                    _check_fault(entry.path, 0)
-                    dset[()] = entry.array
+                    _check_fault(d.path, 0)
+                    _write_alone(dset, d, d.region_of(0), call_bytes)
                 except Exception as exc:
-                    raise CheckpointError(f"writing {path} failed: /{entry.path}: {_describe(exc)}",
+                    raise CheckpointError(f"writing {path} failed: /{d.path}: {_describe(exc)}",
                                           hint=_hint([str(exc)])) from exc
             f.flush()
     except CheckpointError:
@@ -281,8 +326,9 @@ def write_serial(path, snap):
     return checksums
 
 
-def write_file(path, snap, comm, parallel, call_bytes=CALL_BYTES):
-    """Write ``snap`` to ``path`` on every rank's behalf; the same outcome on all ranks."""
+def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES):
+    """Write ``plan`` to ``path`` on every rank's behalf; the same outcome on all ranks.
+    Without ``parallel`` the plan must give everything to rank 0."""
     if parallel:
-        return write_parallel(path, snap, comm, call_bytes)
-    return on_root(lambda: write_serial(path, snap), comm)
+        return write_parallel(path, plan, comm, call_bytes)
+    return on_root(lambda: write_serial(path, plan, call_bytes), comm)

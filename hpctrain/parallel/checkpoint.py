@@ -6,27 +6,31 @@ trained on one rank, on two pipeline stages, or split over four tensor ranks. So
 written in one layout loads in any other (including plain :func:`hpctrain.checkpoint.load_checkpoint`
 into the dense model, and ``hpctrain ckpt export``).
 
-Saving (collective over ``grid.comm``): every rank describes the region of each global
-tensor it holds; the ranks holding the same region (the stage's replicas, and for
-unsplit tensors its tensor ranks too) share the writing of it by rows; checksums of the
-pieces are combined into each dataset's CRC-32; every rank writes its pieces collectively
-into one temp file through MPI-IO; the file is re-read and verified, then renamed.
+Saving (collective over ``grid.comm``) goes through the pipeline of data-parallel saves
+(:func:`hpctrain.checkpoint.manager.save_file`): the replicas of each stage are checked for
+consistency, rank 0 names a temp file, every rank writes its pieces with the one writer, the
+file is re-read and verified, then committed. Only the plan differs: every rank describes the
+region of each global tensor it holds, and the ranks holding the same region (the stage's
+replicas, and for unsplit tensors its tensor ranks too) share the writing of it by rows
+(:func:`plan_writes`).
 
 Loading (collective): rank 0 reads the header, every rank checks the tensors it needs
 against the file's names and shapes (the same error on every rank if they do not fit),
-the checksums are verified, then every rank reads its own regions.
+the checksums are verified, then every rank reads its own regions and restores them like a
+data-parallel load does (:func:`hpctrain.checkpoint.snapshot.restore`).
 """
-import json
 import math
 import os
-import secrets
 
 import numpy as np
 
-from ..coordination import all_or_none, on_root
-from ..errors import CheckpointError
 from ..checkpoint import format as fmt
 from ..checkpoint import reader, snapshot, writer
+from ..checkpoint.manager import check_consistency, save_file
+from ..coordination import all_or_none, everywhere, on_root
+from ..errors import CheckpointError
+from ..state import Progress, TrainState
+from .layout import rank_of
 from .tensor import shard_dims
 
 
@@ -56,29 +60,22 @@ def _placement(local_shape, shard):
     return tuple(shape), tuple(region)
 
 
-def held_tensors(module, optimizer):
-    """``[Held]`` for this rank's model tensors and optimizer state, under global names."""
+def held_tensors(module, opt_tensors=()):
+    """``[Held]`` for this rank's model tensors and optimizer state (``opt_tensors``, from
+    :func:`~hpctrain.checkpoint.snapshot.optimizer_parts`), under global names."""
     shards = shard_dims(module)
     params = dict(module.named_parameters())
     out = []
     for name, t in module.state_dict().items():
         shape, region = _placement(tuple(t.shape), shards.get(name))
-        out.append(Held(f"{fmt.MODEL}/{fmt.param_key(name)}", t, shape, region, snapshot._dtype_name(t)))
-    if optimizer is not None:
-        names = snapshot.optimizer_param_names(module, optimizer)
-        state = optimizer.state_dict()["state"]
-        for index in sorted(state):
-            pname = names[index]
-            for key in sorted(state[index]):
-                value = state[index][key]
-                if not hasattr(value, "detach"):
-                    continue
-                # State shaped like a split parameter (momentum, Adam moments) is split like it;
-                # anything else (Adam's step counter) is the same on every tensor rank.
-                same = tuple(value.shape) == tuple(params[pname].shape)
-                shape, region = _placement(tuple(value.shape), shards.get(pname) if same else None)
-                out.append(Held(f"{fmt.OPT_STATE}/{fmt.param_key(pname)}/{key}", value, shape, region,
-                                snapshot._dtype_name(value)))
+        out.append(Held(snapshot.model_path(name), t, shape, region, snapshot.dtype_name(t)))
+    for pname, key, value in opt_tensors:
+        # State shaped like a split parameter (momentum, Adam moments) is split like it;
+        # anything else (Adam's step counter) is the same on every tensor rank.
+        same = tuple(value.shape) == tuple(params[pname].shape)
+        shape, region = _placement(tuple(value.shape), shards.get(pname) if same else None)
+        out.append(Held(snapshot.optimizer_state_path(pname, key), value, shape, region,
+                        snapshot.dtype_name(value)))
     return out
 
 
@@ -123,28 +120,10 @@ def plan_writes(described):
                     pieces.append((rank, ((lo, hi),) + region[1:]))
         plan[path] = pieces
     if problems:
-        raise fmt.everywhere(CheckpointError(
+        raise CheckpointError(
             "the ranks do not hold a consistent split model:\n  " + "\n  ".join(problems[:20]),
-            hint="every rank must build the same model with the same layout before saving"))
+            hint="every rank must build the same model with the same layout before saving")
     return order, datasets, plan
-
-
-def runs(shape, subregion, itemsize):
-    """Byte ``(offset, nbytes)`` of the contiguous runs a sub-region covers in the C-order
-    global array, in the order its own C-order elements come (pure)."""
-    if not shape:
-        return [(0, itemsize)]
-    last = max((d for d, (a, b) in enumerate(subregion) if (a, b) != (0, shape[d])), default=0)
-    inner = math.prod(shape[last + 1:])
-    a, b = subregion[last]
-    run = (b - a) * inner * itemsize
-    outer = [range(lo, hi) for lo, hi in subregion[:last]]
-    if not outer:
-        return [(a * inner * itemsize, run)]
-    idx = np.stack(np.meshgrid(*outer, indexing="ij"), axis=-1).reshape(-1, last)
-    start = np.concatenate([idx, np.full((len(idx), 1), a)], axis=1)
-    flat = np.ravel_multi_index(tuple(start.T), shape[:last + 1]) * inner * itemsize
-    return [(int(o), run) for o in flat]
 
 
 def _local_slices(held, subregion):
@@ -155,71 +134,28 @@ def _local_slices(held, subregion):
     return (slice(subregion[0][0] - a0, subregion[0][1] - a0),)
 
 
-def _global_slices(region):
-    return tuple(slice(a, b) for a, b in region)
-
-
 # ---------------------------------------------------------------- saving
 
-class _Planned:
-    """What ``writer.create_layout`` needs of a dataset, without its data."""
-
-    def __init__(self, path, shape, dtype_name):
-        self.path = path
-        # A zero-stride array: the shape and storage dtype, and no memory.
-        self.array = np.broadcast_to(np.zeros((), dtype=fmt.storage_dtype(dtype_name)), shape)
-        self.attrs = {fmt.DTYPE_ATTR: dtype_name}
-
-
-class _Layout:
-    def __init__(self, entries, root_attrs, group_attrs):
-        self.entries, self.root_attrs, self.group_attrs = entries, root_attrs, group_attrs
-
-
-def _optimizer_groups(module, optimizer):
-    """This stage's param groups with parameter names, and non-tensor state per parameter."""
-    if optimizer is None:
-        return None
-    names = snapshot.optimizer_param_names(module, optimizer)
-    sd = optimizer.state_dict()
-    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[names[i] for i in g["params"]])
-              for g in sd["param_groups"]]
-    values = {names[i]: {k: v for k, v in s.items() if not hasattr(v, "detach")} for i, s in sd["state"].items()}
-    return {"class": type(optimizer).__name__, "groups": json.loads(fmt.to_json(groups)),
-            "values": json.loads(fmt.to_json(values))}
-
-
-def _group_attrs(grid, optimizers, progress, rng):
-    """Group attributes, identical on every rank (built from allgathered data)."""
-    from ..state import Progress
-
-    firsts = [r for r in range(grid.comm.Get_size())
-              if r < grid.layout.stages * grid.layout.tensor and r % grid.layout.tensor == 0]
-    merged, cls, values = [], "", {}
-    for r in firsts:  # replica 0, tensor rank 0 of each stage, in stage order
-        opt = optimizers[r]
-        if opt is None:
+def _merged_optimizer(grid, descriptions):
+    """The whole model's optimizer from every rank's description: the param groups of
+    replica 0, tensor rank 0 of each stage, joined in stage order."""
+    merged = {"class": "", "groups": [], "values": {}}
+    for stage in range(grid.layout.stages):
+        opt = descriptions[rank_of(0, stage, 0, grid.layout)]
+        if not opt["class"]:  # no optimizer
             continue
-        cls = opt["class"]
-        if merged and len(opt["groups"]) != len(merged):
-            raise fmt.everywhere(CheckpointError(
+        merged["class"] = opt["class"]
+        if merged["groups"] and len(opt["groups"]) != len(merged["groups"]):
+            raise CheckpointError(
                 f"the stages' optimizers have different numbers of parameter groups "
-                f"({len(merged)} and {len(opt['groups'])})", hint="give every stage's optimizer the same groups"))
+                f"({len(merged['groups'])} and {len(opt['groups'])})",
+                hint="give every stage's optimizer the same groups")
         for g, group in enumerate(opt["groups"]):
-            if g == len(merged):
-                merged.append(dict(group, params=[]))
-            merged[g]["params"] += group["params"]
-        values.update(opt["values"])
-    groups = {fmt.OPTIMIZER: {"param_groups": fmt.to_json(merged), "class": cls}, fmt.OPT_STATE: {}}
-    for pname, vals in values.items():
-        groups[f"{fmt.OPT_STATE}/{fmt.param_key(pname)}"] = {"values": fmt.to_json(vals)}
-    p = progress if progress is not None else Progress()
-    groups[fmt.TRAINER] = {
-        "step": int(p.step), "epoch": int(p.epoch), "samples_in_epoch": int(p.samples_in_epoch),
-        "seed": int(p.seed), "extra": fmt.to_json(p.extra), "best_metric": fmt.to_json(p.best_metric),
-    }
-    groups[fmt.RNG] = {"numpy_meta": fmt.to_json(rng["numpy_meta"]), "python": fmt.to_json(rng["python"])}
-    return groups
+            if g == len(merged["groups"]):
+                merged["groups"].append(dict(group, params=[]))
+            merged["groups"][g]["params"] += group["params"]
+        merged["values"].update(opt["values"])
+    return merged
 
 
 def layout_attr(grid, pipeline_bounds=None):
@@ -230,122 +166,60 @@ def layout_attr(grid, pipeline_bounds=None):
     return fmt.to_json(info)
 
 
+def _plan(module, optimizer, grid, progress, info):
+    """The writer's plan of this rank: its pieces of every global tensor, as
+    :func:`plan_writes` shares them out, and rank 0's generator states."""
+    comm, rank = grid.comm, grid.comm.Get_rank()
+    description, opt_tensors = snapshot.optimizer_parts(module, optimizer)
+    held = held_tensors(module, opt_tensors)
+    everyone = comm.allgather(([h.describe() for h in held], description))
+    (order, shapes, pieces), merged = all_or_none(
+        lambda: (plan_writes([d for d, _ in everyone]), _merged_optimizer(grid, [o for _, o in everyone])), comm)
+    groups = snapshot.optimizer_attrs(merged)
+    groups.update(snapshot.progress_attrs(progress if progress is not None else Progress(), info["rng"]))
+    mine = {h.path: h for h in held}
+    datasets = []
+    for prefix in (fmt.MODEL + "/", fmt.OPT_STATE + "/"):
+        for path in (p for p in order if p.startswith(prefix)):
+            shape, dtype = shapes[path]
+            region, part = next((sub for r, sub in pieces[path] if r == rank), None), None
+            if region is not None:
+                h = mine[path]
+                array, _ = snapshot.tensor_to_array(h.tensor, copy=False)
+                # (0-d arrays stay arrays: indexing one with () would give a numpy scalar)
+                part = np.require(array[_local_slices(h, region)] if h.shape else array, requirements="C")
+            datasets.append(writer.DatasetPlan(path, shape, np.dtype(fmt.storage_dtype(dtype)),
+                                               {fmt.DTYPE_ATTR: dtype}, pieces[path], part))
+    for e in snapshot.rng_entries(info["rng"]):  # rank 0's generators, written by rank 0
+        whole = [(0, fmt.rows(e.array.shape, 0, e.array.shape[0]))]
+        datasets.append(writer.DatasetPlan(e.path, e.array.shape, e.array.dtype, e.attrs, whole,
+                                           e.array if rank == 0 else None))
+    return writer.Plan(datasets, info["meta"], groups)
+
+
 def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_config=None, metrics=None,
-                             reason="manual", verify=True):
+                             reason="manual", verify=True, consistency="check"):
     """Collective over ``grid.comm``: write this stage's ``module`` and ``optimizer`` (every
     rank its part) into the checkpoint file ``path``: temp file, verified, renamed.
+    ``consistency`` (``check``, ``repair``, ``off``): compare the replicas of each stage first.
 
     >>> save_parallel_checkpoint("run/ckpt-00000100.h5", pipe.module, opt, grid, progress)  # doctest: +SKIP
     """
-    from ..checkpoint.manager import durable_rename
-
-    comm = grid.comm
-    rank = comm.Get_rank()
     if not writer.h5py_parallel():
-        raise fmt.everywhere(CheckpointError(
+        raise everywhere(CheckpointError(
             "checkpoints of split models are written collectively, but h5py was built without MPI support",
             hint="build h5py against parallel HDF5 (`make setup`)"))
-    path = os.path.abspath(os.fspath(path))
-    step = 0 if progress is None else progress.step
-
-    def prepare():
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step, "mpio", comm.Get_size())
-        meta["parallel_layout"] = layout_attr(grid)
-        return {"tmp": fmt.temp_name(path, f"{os.getpid()}-{secrets.token_hex(3)}"), "meta": meta,
-                "rng": snapshot.rng_states()}
-
-    info = on_root(prepare, comm)
-    held = held_tensors(module, optimizer)
-    if rank == 0:  # rank 0's generators, as the ordinary checkpoint stores them
-        rng = info["rng"]
-        import torch
-
-        for key, dtype in (("torch", "uint8"), ("numpy_keys", "uint32")):
-            t = torch.from_numpy(np.ascontiguousarray(rng[key]))
-            held.append(Held(f"{fmt.RNG}/{key}", t, t.shape, tuple((0, n) for n in t.shape), dtype))
-    everyone = comm.allgather(([h.describe() for h in held], _optimizer_groups(module, optimizer)))
-    order, datasets, plan = all_or_none(lambda: plan_writes([d for d, _ in everyone]), comm)
-    groups = all_or_none(lambda: _group_attrs(grid, [o for _, o in everyone], progress, info["rng"]), comm)
-    model_first = [p for p in order if p.startswith(fmt.MODEL + "/")] + \
-                  [p for p in order if p.startswith(fmt.OPT_STATE + "/")] + \
-                  [p for p in order if p.startswith(fmt.RNG + "/")]
-
-    # This rank's pieces and their checksums.
-    mine = {h.path: h for h in held}
-    pieces, sums = {}, []
-    for i, p in enumerate(model_first):
-        for r, sub in plan[p]:
-            if r != rank:
-                continue
-            h = mine[p]
-            array, _ = snapshot.tensor_to_array(h.tensor, copy=False)
-            # (0-d arrays stay arrays: indexing one with () would give a numpy scalar)
-            part = np.require(array[_local_slices(h, sub)] if h.shape else array, requirements="C")
-            pieces[p] = (sub, part)
-            flat = part.reshape(-1).view(np.uint8)
-            pos = 0
-            for offset, nbytes in runs(datasets[p][0], sub, part.dtype.itemsize):
-                sums.append((i, offset, nbytes, fmt.crc32_bytes(flat[pos:pos + nbytes])))
-                pos += nbytes
-    checksums = writer.combine_checksums(comm.allgather(sums), len(model_first))
-    entries = [_Planned(p, datasets[p][0], datasets[p][1]) for p in model_first]
-    tmp = info["tmp"]
-    try:
-        _write(tmp, _Layout(entries, info["meta"], groups), checksums, pieces, comm)
-        if verify:
-            reader.verify_written(tmp, dict(zip(model_first, checksums)), comm, True)
-    except BaseException:
-        if rank == 0:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-        raise
-
-    def commit():
-        durable_rename(tmp, path)
-        return path
-
-    return on_root(commit, comm)
-
-
-def _write(tmp, layout, checksums, pieces, comm):
-    import h5py
-
-    errors, f = [], None
-    try:
-        f = h5py.File(tmp, "w", driver="mpio", comm=comm, libver=writer.LIBVER)
-    except Exception as exc:
-        errors.append(f"creating the file: {type(exc).__name__}: {exc}")
-    writer.agree(errors, comm, tmp, "creating")
-    try:
-        dsets = writer.create_layout(f, layout, checksums)
-        for entry, dset in zip(layout.entries, dsets):
-            try:
-                with dset.collective:
-                    if entry.path in pieces:
-                        sub, part = pieces[entry.path]
-                        if part.ndim == 0:
-                            dset[()] = part
-                        else:
-                            dset[_global_slices(sub)] = part
-                    else:
-                        writer.write_empty(dset)
-            except Exception as exc:
-                errors.append(f"writing /{entry.path}: {type(exc).__name__}: {exc}")
-        if not comm.allreduce(len(errors)):
-            f.flush()
-    finally:
-        if f is not None:
-            f.close()
-    writer.agree(errors, comm, tmp, "writing")
+    # The replicas of a stage (and tensor rank) hold the same regions: they must agree.
+    all_or_none(lambda: check_consistency(module, grid.dp_comm, consistency), grid.comm)
+    return save_file(path, grid.comm, True, lambda info: _plan(module, optimizer, grid, progress, info), verify,
+                     run_config=run_config, metrics=metrics, reason=reason,
+                     step=0 if progress is None else progress.step, extra={"parallel_layout": layout_attr(grid)})
 
 
 # ---------------------------------------------------------------- loading
 
 def _wanted_state(module, header):
-    """``[(Held, pname, key)]`` for the optimizer state of this rank's parameters in the file,
+    """``[Held]`` for the optimizer state of this rank's parameters in the file,
     placed like each parameter when shaped like it (a fresh optimizer has no state to ask)."""
     shards = shard_dims(module)
     out = []
@@ -358,7 +232,7 @@ def _wanted_state(module, header):
                     h = Held(p, param, gshape, region, attrs[fmt.DTYPE_ATTR])
                 else:
                     h = Held(p, None, tuple(shape), tuple((0, n) for n in shape), attrs[fmt.DTYPE_ATTR])
-                out.append((h, pname, p[len(prefix):]))
+                out.append(h)
     return out
 
 
@@ -386,12 +260,10 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
 
     >>> load_parallel_checkpoint("run/ckpt-00000100.h5", pipe.module, opt, grid, progress)  # doctest: +SKIP
     """
-    import h5py
-
     comm = grid.comm
     path = os.path.abspath(os.fspath(path))
     header = on_root(lambda: reader.read_header(path), comm)
-    model = held_tensors(module, None)
+    model = held_tensors(module)
     saved_layout = header.root_attrs.get("parallel_layout",
                                          f"data parallel over {header.root_attrs.get('nranks')} ranks")
     all_or_none(lambda: _check_against(header, model, saved_layout, path), comm)
@@ -399,7 +271,7 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
     names = set().union(*comm.allgather({h.path for h in model}))
     extra = sorted(p for p in header.datasets if p.startswith(fmt.MODEL + "/") and p not in names)
     if extra:
-        raise fmt.everywhere(CheckpointError(
+        raise everywhere(CheckpointError(
             f"{path} holds tensors that no stage of this model has: " + ", ".join("/" + p for p in extra[:10]),
             hint="build the same model as the run that saved it (the layout may differ)"))
     wanted = _wanted_state(module, header) if optimizer is not None else []
@@ -407,64 +279,23 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
 
     arrays, errors, f = {}, [], None
     try:
-        f = h5py.File(path, "r", driver="mpio", comm=comm)
-        for h in model + [w[0] for w in wanted]:
-            arrays[h.path] = f[h.path][_global_slices(h.region)] if h.shape else f[h.path][()]
+        f = reader.open_for_read(path, comm, True)
+        for h in model + wanted:
+            arrays[h.path] = f[h.path][fmt.slices(h.region)] if h.shape else f[h.path][()]
         if restore_rng and comm.Get_rank() == 0 and f"{fmt.RNG}/torch" in header.datasets:
             for key in ("torch", "numpy_keys"):
                 arrays[f"{fmt.RNG}/{key}"] = f[f"{fmt.RNG}/{key}"][()]
     except Exception as exc:
         errors.append(f"reading: {type(exc).__name__}: {exc}")
     finally:
-        if f is not None:
-            f.close()
+        reader.close_recording(f, errors)
     writer.agree(errors, comm, path, "reading")
-    all_or_none(lambda: _apply(header, arrays, module, optimizer, wanted, progress, path), comm)
+    state = TrainState(module, optimizer, progress if progress is not None else Progress())
+    typed = {p: (a, header.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
+    all_or_none(lambda: snapshot.restore(state, typed, header.group_attrs, path, partial=True), comm)
     if f"{fmt.RNG}/torch" in arrays:
-        rng = header.group_attrs.get(fmt.RNG, {})
-        snapshot.set_rng_states({"torch": arrays[f"{fmt.RNG}/torch"], "numpy_keys": arrays[f"{fmt.RNG}/numpy_keys"],
-                                 "numpy_meta": json.loads(rng["numpy_meta"]), "python": json.loads(rng["python"])})
+        snapshot.restore_rng(arrays, header.group_attrs)
     return header
-
-
-def _apply(header, arrays, module, optimizer, wanted, progress, path):
-    def tensor(p, like):
-        t = snapshot.array_to_tensor(arrays[p], header.datasets[p][2][fmt.DTYPE_ATTR])
-        return t if like is None else t.to(dtype=like.dtype, device=like.device)
-
-    sd = {name: tensor(f"{fmt.MODEL}/{fmt.param_key(name)}", t) for name, t in module.state_dict().items()}
-    if optimizer is not None:
-        names = snapshot.optimizer_param_names(module, optimizer)
-        saved = json.loads(header.group_attrs[fmt.OPTIMIZER]["param_groups"])
-        current = optimizer.state_dict()["param_groups"]
-        if len(saved) != len(current):
-            raise CheckpointError(f"{path}: this optimizer has {len(current)} parameter group(s), the file "
-                                  f"{len(saved)}", hint="build the optimizer with the same parameter groups")
-        groups = []
-        for g_saved, g_now in zip(saved, current):
-            # The file's hyperparameters (learning rate as scheduled, betas...), this stage's parameters.
-            g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v)
-                 for k, v in g_saved.items() if k != "params"}
-            g["params"] = list(g_now["params"])
-            groups.append(g)
-        index = {n: i for i, n in enumerate(names)}
-        state = {}
-        for pname, i in index.items():
-            gpath = f"{fmt.OPT_STATE}/{fmt.param_key(pname)}"
-            if gpath in header.group_attrs:
-                state[i] = dict(json.loads(header.group_attrs[gpath].get("values", "{}")))
-        for h, pname, key in wanted:
-            if pname in index:
-                state.setdefault(index[pname], {})[key] = tensor(h.path, h.tensor)
-    module.load_state_dict(sd, strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    if progress is not None:
-        t = header.group_attrs[fmt.TRAINER]
-        progress.step, progress.epoch = int(t["step"]), int(t["epoch"])
-        progress.samples_in_epoch, progress.seed = int(t["samples_in_epoch"]), int(t["seed"])
-        progress.best_metric = json.loads(t["best_metric"])
-        progress.extra = json.loads(t["extra"])
 
 
 # ---------------------------------------------------------------- the whole model in one place
@@ -475,7 +306,7 @@ def gather_state(module, optimizer, grid, root=0):
     ``None`` elsewhere. Pickles through MPI: for small models, tests and exports."""
     import torch
 
-    held = held_tensors(module, optimizer) if grid.replica == 0 else []
+    held = held_tensors(module, snapshot.optimizer_parts(module, optimizer)[1]) if grid.replica == 0 else []
     parts = grid.comm.gather([(h.path, h.shape, h.region, h.tensor.detach().cpu().clone()) for h in held], root=root)
     if grid.comm.Get_rank() != root:
         return None
@@ -484,7 +315,7 @@ def gather_state(module, optimizer, grid, root=0):
         for p, shape, region, t in rank_parts:
             if p not in full:
                 full[p] = torch.empty(shape, dtype=t.dtype)
-            full[p][_global_slices(region)] = t
+            full[p][fmt.slices(region)] = t
     model = {fmt.param_name(p.split("/", 1)[1]): t for p, t in full.items() if p.startswith(fmt.MODEL + "/")}
     opt = {}
     for p, t in full.items():
