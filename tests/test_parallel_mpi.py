@@ -87,6 +87,14 @@ def test_checkpoint_into_a_different_model_fails_clearly(saved):
     assert "/model/0.weight: this layout needs a tensor of shape [24, 8], the file has [16, 8]" in result.stderr
 
 
+def test_checkpoint_of_diverged_replicas_fails_or_repairs(tmp_path):
+    result = mpirun(4, [SCRIPTS / "parallel_ckpt.py", "diverged", tmp_path, "--stages", "2"], timeout=TIMEOUT,
+                    env=ENV).check()
+    ranks_say(result, "SAVE FAILED ranks 3 hold model tensors that differ from rank 1's", 4)
+    ranks_say(result, "REPAIRED", 4)
+    assert "copying rank 1's to every rank" in result.stderr
+
+
 @pytest.mark.parametrize("case,message", [
     ("indivisible", "4 ranks cannot be divided into replicas of 3 stage(s)"),
     ("replicas", "needs 6 ranks, but the job has 4"),

@@ -4,11 +4,15 @@
     mpirun -n 4 python tests/mpi/parallel_ckpt.py load DIR --stages 4          # 4 x 1, or --stages 1 (1 x 4)
     python tests/mpi/parallel_ckpt.py plain DIR                                 # dense model, load_checkpoint
     mpirun -n 4 python tests/mpi/parallel_ckpt.py load DIR --width 24           # a model that does not fit
+    mpirun -n 4 python tests/mpi/parallel_ckpt.py diverged DIR --stages 2       # replicas that differ
 
 ``save`` trains 3 steps, writes DIR/ckpt-00000003.h5 and (rank 0) DIR/ref.pt with the full
 model and optimizer state, trains 2 more steps and records their losses in DIR/after.json.
 ``load`` builds the model from another seed, loads the file, checks that model and optimizer
 equal ref.pt bitwise, then trains the same 2 steps and compares the losses.
+``diverged`` changes one parameter on the last rank (a replica of the last stage): the save
+fails on every rank, naming it, and writes nothing; with ``consistency="repair"`` it copies
+the other replica's parameters and saves.
 """
 import argparse
 import json
@@ -75,6 +79,32 @@ def parallel(args):
     hp.close()
 
 
+def diverged(args):
+    from hpctrain.errors import CheckpointError
+
+    hp = HybridParallel(build_model(seed=0), Layout(args.stages, None, args.tensor), nn.MSELoss(), optimizer,
+                        micro_batches=2)
+    rank, last = hp.grid.rank, hp.grid.comm.Get_size() - 1
+    train(hp, 1, 0)
+    if rank == last:
+        with torch.no_grad():
+            next(hp.module.parameters()).add_(1e-3)
+    path = os.path.join(args.dir, NAME)
+    try:
+        hp.save(path, Progress(step=1))
+        raise AssertionError("a save of diverged replicas did not fail")
+    except CheckpointError as exc:
+        assert f"ranks {last} hold model tensors" in str(exc), str(exc)
+        print(f"RANK {rank} SAVE FAILED {str(exc).splitlines()[0]}", flush=True)
+    assert not os.listdir(args.dir), os.listdir(args.dir)
+    hp.save(path, Progress(step=1), consistency="repair")
+    mine = [p.detach().clone() for p in hp.module.parameters()]
+    theirs = hp.grid.dp_comm.allgather(mine)
+    assert all(torch.equal(a, b) for other in theirs for a, b in zip(mine, other))
+    print(f"RANK {rank} REPAIRED", flush=True)
+    hp.close()
+
+
 def plain(args):
     """The file in the ordinary loader, into the dense model in one process."""
     from hpctrain.checkpoint import load_checkpoint
@@ -95,7 +125,7 @@ def plain(args):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["save", "load", "plain"])
+    ap.add_argument("mode", choices=["save", "load", "plain", "diverged"])
     ap.add_argument("dir")
     ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--tensor", type=int, default=1)
@@ -105,4 +135,4 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     with abort_on_exception(MPI.COMM_WORLD):
-        plain(args) if args.mode == "plain" else parallel(args)
+        {"plain": plain, "diverged": diverged}.get(args.mode, parallel)(args)
