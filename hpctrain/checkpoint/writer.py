@@ -171,8 +171,8 @@ def _calls(d, call_bytes):
     """Collective calls for one dataset: the same number on every rank (from the plan)."""
     if not d.shape:
         return 1
-    return max(1, max(-(-(r[0][1] - r[0][0]) // _rows_per_call(r, d.dtype.itemsize, call_bytes))
-                      for _, r in d.pieces))
+    return max(1, max((-(-(r[0][1] - r[0][0]) // _rows_per_call(r, d.dtype.itemsize, call_bytes))
+                       for _, r in d.pieces), default=0))
 
 
 def _chunks(d, region, call_bytes):
