@@ -63,18 +63,7 @@ def replaced(path):
         remove_quietly(tmp)
 
 
-@contextlib.contextmanager
-def replacing(path, mode="w"):
-    """:func:`replaced` with the temp file open: yields the file object.
-
-    >>> with replacing("run/latest") as f:        # doctest: +SKIP
-    ...     f.write("ckpt-00000100.h5\\n")
-    """
-    with replaced(path) as tmp, open(tmp, mode) as f:
-        yield f
-
-
 def write_text(path, text):
     """Replace the text file ``path`` atomically and durably."""
-    with replacing(path) as f:
-        f.write(text)
+    with replaced(path) as tmp, open(tmp, "w") as f:
+        f.write(text)  # closed before the rename, which fsyncs it

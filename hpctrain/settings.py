@@ -11,8 +11,9 @@ HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``.
                            ``run.root``
 HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.manager``
                            (no MPI-IO)
-HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step may run before the job is          0 (off)      ``job.watchdog``
-                           aborted, when ``train.step_timeout`` is 0
+HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``
+                           may run before the job is aborted, when
+                           ``train.step_timeout`` is 0
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
@@ -26,9 +27,7 @@ Launcher variables describe the job, not hpctrain, and are read where they are i
   STEP_NUM_TASKS,STEP_NODELIST,JOB_NODELIST}`` and ``SLURMD_NODENAME`` (launcher, rank, size,
   node), and ``OMP_NUM_THREADS`` (torch threads per rank);
 * :mod:`hpctrain.job.preemption`: ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID`` and
-  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner);
-* :mod:`hpctrain.job.watchdog`: ``SLURMD_NODENAME`` (the host named in its message, as
-  :func:`hpctrain.world.node_name` reads it).
+  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner).
 """
 import os
 

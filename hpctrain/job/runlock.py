@@ -175,21 +175,3 @@ def release(path, environ=None):
     if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-
-
-@contextlib.contextmanager
-def hold(run_dir, comm=None):
-    """Hold the run directory's lock for the ``with`` block; rank 0 takes it, every rank
-    raises :class:`RunDirBusy` alike when it is taken. The lock is released on the way out,
-    also on an exception (a killed job leaves it behind; the next one takes it over)."""
-    if comm is None or comm.Get_size() == 1:
-        path = acquire(run_dir)
-    else:
-        from ..coordination import on_root
-
-        path = on_root(lambda: acquire(run_dir), comm)
-    try:
-        yield path
-    finally:
-        if comm is None or comm.Get_rank() == 0:
-            release(path)

@@ -15,13 +15,20 @@ calls ``MPI_Abort`` so that every rank ends with a non-zero status::
     watchdog.close()
 
 ``timeout=None`` takes ``HPCTRAIN_WATCHDOG_TIMEOUT`` (seconds); 0 disables the watchdog.
-Time between steps (evaluation, checkpoints) is not watched unless armed explicitly,
-e.g. ``with watchdog.step("checkpoint", timeout=1800):``.
+
+Every other collective phase (a checkpoint save, an evaluation, a resume, the stop
+agreement, the wait for a background save) is guarded the same way, without handing the
+watchdog around: the run's watchdog is the process's active one while its ``with`` block
+runs, and :func:`watching` arms it for a phase::
+
+    with watching("checkpoint save"):
+        manager.save(state)
+
+Phases nest: an inner phase re-arms the outer one with a fresh timeout when it ends.
 """
 import contextlib
 import faulthandler
 import os
-import socket
 import sys
 import threading
 import time
@@ -29,6 +36,16 @@ import time
 from .. import settings
 
 EXIT_HUNG = 4  # exit status of a job the watchdog ended
+
+_active = None  # the watchdog of the run in this process, while its ``with`` block runs
+
+
+def watching(label, timeout=None):
+    """Guard one phase with the active watchdog (a no-op when there is none or it is off)."""
+    watchdog = _active
+    if watchdog is None or not watchdog.enabled:
+        return contextlib.nullcontext()
+    return watchdog.step(label, timeout)
 
 
 class Watchdog:
@@ -54,6 +71,7 @@ class Watchdog:
         self._deadline = None  # monotonic time at which an armed section expires
         self._label = None
         self._armed_for = None
+        self._outer = []  # (label, timeout) of the sections an armed one is nested in
         self._closed = False
         self._thread = None
 
@@ -85,14 +103,25 @@ class Watchdog:
 
     @contextlib.contextmanager
     def step(self, label=None, timeout=None):
-        """Watch one step: ``with watchdog.step(step_number): ...``."""
+        """Watch one step (or any section): ``with watchdog.step(step_number): ...``.
+        Inside another section, that one is re-armed afresh when this one ends."""
+        with self._cond:
+            outer = (self._label, self._armed_for) if self._deadline is not None else None
+        self._outer.append(outer)
         self.arm(label, timeout)
         try:
             yield self
         finally:
-            self.disarm()
+            outer = self._outer.pop()
+            if outer is None:
+                self.disarm()
+            else:
+                self.arm(*outer)
 
     def close(self):
+        global _active
+        if _active is self:
+            _active = None
         with self._cond:
             self._closed = True
             self._deadline = None
@@ -101,6 +130,8 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def __enter__(self):
+        global _active
+        _active = self
         return self
 
     def __exit__(self, *exc):
@@ -133,8 +164,9 @@ class Watchdog:
             return self.where
         comm = self._comm()
         rank = comm.Get_rank() if comm is not None else 0
-        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        return f"rank {rank} on {host}"
+        from ..world import node_name
+
+        return f"rank {rank} on {node_name()}"
 
     def _comm(self):
         if self.comm is not None:

@@ -22,7 +22,6 @@ generators are re-seeded from ``(seed, step, rank)`` every step and the data ord
 from ``(seed, epoch)``, so ``Progress`` alone says where to resume.
 """
 import contextlib
-import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -390,8 +389,6 @@ def _check_enough_data(sampler):
 
 
 def _default_checkpoints(cfg, world, run_dir):
-    if importlib.util.find_spec("hpctrain.checkpoint") is None:
-        return None
     from ..checkpoint import CheckpointManager
 
     directory = cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints")
