@@ -310,6 +310,20 @@ class CheckpointManager:
             load_checkpoint(os.path.abspath(mode), state, self.comm)
             self._loaded(state)
             return True
+        return self._load_newest(state) is not None
+
+    def load_latest(self, state):
+        """Collective: load the newest valid checkpoint of this run into ``state``, as
+        ``resume="auto"`` would pick it (damaged ones skipped with a warning), whatever
+        ``cfg.resume`` says. Returns its path, or None when there is none. Used to roll back,
+        e.g. after a numeric blow-up.
+
+        >>> path = mgr.load_latest(state)   # doctest: +SKIP
+        """
+        self.wait()
+        return self._load_newest(state)
+
+    def _load_newest(self, state):
         candidates = on_root(self._candidates, self.comm)
         problems = []
         for path in candidates:
@@ -324,12 +338,12 @@ class CheckpointManager:
             if problems and self.world.is_root:
                 log.warning("resumed from %s, an older checkpoint, because newer ones are damaged", path)
             self._loaded(state)
-            return True
+            return path
         if problems:
             raise everywhere(CheckpointError(
                 f"no valid checkpoint in {self.directory}:\n  " + "\n  ".join(problems),
                 hint="start fresh with checkpoint.resume=none, or name a file with checkpoint.resume=PATH"))
-        return False
+        return None
 
     def _loaded(self, state):
         self._last_step = state.progress.step
