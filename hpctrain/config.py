@@ -50,6 +50,7 @@ class CheckpointConfig:
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALINGS = ("none", "linear")
 PRECISIONS = ("fp32", "bf16", "fp16")
+ON_NONFINITE = ("auto", "skip", "rollback", "stop")
 GENERATORS = ("none", "digits", "teacher")
 
 
@@ -110,6 +111,18 @@ class LoopConfig:
     eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
     eval_batch_size: int = 0  # 0: batch_size
     step_timeout: float = 0.0  # seconds; a longer step aborts the job (0: HPCTRAIN_WATCHDOG_TIMEOUT, else off)
+    # A step whose averaged gradients hold NaN or infinity is never applied. What follows:
+    # "auto" (default, for unattended jobs): skip the update; after max_nonfinite_skips
+    #   consecutive skipped steps, roll back to the newest checkpoint with the learning rate
+    #   multiplied by rollback_lr_factor; after max_rollbacks rollbacks (or with no checkpoint
+    #   to go back to), stop with an error naming the step and the first non-finite gradient.
+    # "skip": skip, and stop after max_nonfinite_skips consecutive skips.
+    # "rollback": roll back at once (then as "auto"). "stop": stop at the first one.
+    # With fp16 the GradScaler skips such steps itself (and lowers its scale); nothing more.
+    on_nonfinite: str = "auto"
+    max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
+    max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
+    rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
 
 
 @dataclass
@@ -386,8 +399,13 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
         positive(f"train.{name}", getattr(t, name))
     positive("train.lr", t.lr)
     for name in ("max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
-                 "eval_every", "eval_batch_size", "step_timeout"):
+                 "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks"):
         positive(f"train.{name}", getattr(t, name), zero_ok=True)
+    choice("train.on_nonfinite", t.on_nonfinite, ON_NONFINITE)
+    if not 0 < t.rollback_lr_factor <= 1:
+        raise ConfigError(f"train.rollback_lr_factor = {t.rollback_lr_factor!r} must be in (0, 1] (the learning "
+                          f"rate is multiplied by it at each rollback)",
+                          hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
     if t.global_batch_size:
         per_step = world_size * t.accumulation
         if t.global_batch_size % per_step:

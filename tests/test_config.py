@@ -90,6 +90,13 @@ def valid(**sections):
     ("train.lr_scaling=sqrt", "is not one of none, linear"),
     ("data.generate=mnist", "data.generate = 'mnist'"),
     ("run.name=a/b", "run.name"),
+    ("train.on_nonfinite=ignore", r"train.on_nonfinite = 'ignore' is not one of auto, skip, rollback, stop"),
+    ("train.on_nonfinite=rollbak", "did you mean train.on_nonfinite = 'rollback'"),
+    ("train.max_nonfinite_skips=-1", r"train.max_nonfinite_skips = -1 must be >= 0"),
+    ("train.max_rollbacks=-2", r"train.max_rollbacks = -2 must be >= 0"),
+    ("train.rollback_lr_factor=0", r"train.rollback_lr_factor = 0.0 must be in \(0, 1\](.|\n)*HINT: e.g. "
+                                   r"train.rollback_lr_factor=0.5"),
+    ("train.rollback_lr_factor=1.5", r"train.rollback_lr_factor = 1.5 must be in \(0, 1\]"),
 ])
 def test_validation_errors(override, message):
     cfg = load_config(None, ["data.path=x.h5", override], environ={})
@@ -166,3 +173,10 @@ def test_non_finite_from_toml_and_from_python_too(tmp_path):
     cfg.train.lr = float("nan")
     with pytest.raises(ConfigError, match=r"train.lr = nan is not a finite number"):
         validate(cfg, need_data=False)
+
+
+def test_nonfinite_policy_defaults_are_valid_and_one_keeps_the_learning_rate():
+    cfg = validate(load_config(None, ["data.path=x.h5"], environ={}))
+    assert (cfg.train.on_nonfinite, cfg.train.max_nonfinite_skips, cfg.train.max_rollbacks) == ("auto", 3, 2)
+    validate(load_config(None, ["data.path=x.h5", "train.rollback_lr_factor=1", "train.on_nonfinite=stop"],
+                         environ={}))
