@@ -217,3 +217,32 @@ def test_tensorboard_when_asked(tmp_path):
         assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     else:
         assert "TensorBoard cannot be imported" in out.getvalue() and "pip install tensorboard" in out.getvalue()
+
+
+def _strict(line):
+    def refuse(name):
+        raise ValueError(f"bare {name} in metrics.jsonl: {line}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_nonfinite_metrics_are_shown_as_nan_and_written_as_null(tmp_path):
+    out = io.StringIO()
+    log = RunLog(tmp_path, ["n0"], log_every=2, gather_every=100, progress="log", stream=out)
+    for step, loss in ((1, 0.5), (2, float("nan"))):
+        log.on_step(SimpleNamespace(step=step, epoch=0), {"loss": loss, "lr": 0.1}, {"step": 0.01}, 1.0)
+    log.on_eval(SimpleNamespace(step=2, epoch=0), {"val_loss": float("inf"), "val_accuracy": float("nan")})
+    log.on_nonfinite(SimpleNamespace(step=2, epoch=0), {"step": 2, "action": "skip", "tensor": "0.weight (NaN)",
+                                                        "policy": "auto", "consecutive": 1, "rollbacks": 0})
+    log.end(SimpleNamespace(step=2, epoch=0))
+    records = [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["loss"] is None and "loss" in train[-1]
+    (ev,) = [r for r in records if r["kind"] == "eval"]
+    assert ev["val_loss"] is None and ev["val_accuracy"] is None
+    (nf,) = [r for r in records if r["kind"] == "nonfinite"]
+    assert (nf["step"], nf["action"], nf["tensor"]) == (2, "skip", "0.weight (NaN)")
+    text = out.getvalue()
+    assert "eval at step 2 epoch 0: val_loss inf val_accuracy nan" in text
+    assert "step 2 epoch 0 loss nan" in text
+    assert "step 2: non-finite gradients (first: 0.weight (NaN)); update skipped (1 in a row)" in text

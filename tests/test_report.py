@@ -68,3 +68,19 @@ def test_missing_or_empty_runs(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0
     assert (tmp_path / "report" / "summary.txt").read_text().startswith("steps: 0")
     assert not list((tmp_path / "report").glob("*.png"))
+
+
+def test_nonfinite_steps_are_summarized_and_marked_on_the_loss_plot():
+    records = run_records()
+    records.insert(-1, {"kind": "nonfinite", "step": 17, "action": "skip", "tensor": "net.0.weight (NaN)"})
+    records.insert(-1, {"kind": "nonfinite", "step": 25, "action": "rollback", "tensor": "net.2.bias (inf)"})
+    records.insert(-1, {"kind": "eval", "step": 30, "epoch": 0, "timestamp": 1195.0, "val_loss": None,
+                        "val_accuracy": 0.1})
+    text = report.format_summary(report.summarize(records))
+    assert ("non-finite steps: 2 (1 skip, 1 rollback): step 17 skip (net.0.weight (NaN)); "
+            "step 25 rollback (net.2.bias (inf))") in text
+    assert "last evaluation (step 30): val_loss nan, val_accuracy 0.1" in text
+    marks = [line for ax in report.plot_loss(records).axes for line in ax.get_lines()
+             if line.get_label() in ("non-finite step", "_child2", "_child3") or line.get_xydata()[0][0] in (17, 25)]
+    assert sorted({int(line.get_xydata()[0][0]) for line in marks}) == [17, 25]
+    assert "non-finite" not in report.format_summary(report.summarize(run_records()))

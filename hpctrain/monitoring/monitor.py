@@ -91,6 +91,12 @@ class Monitor:
         if self.root is not None:
             self.root.on_checkpoint(state.progress, path, seconds)
 
+    def on_nonfinite(self, state, event):
+        """A step's averaged gradients were not finite; ``event``: step, action (skip, rollback,
+        stop), tensor (the first parameter whose gradient is not finite), ..."""
+        if self.root is not None:
+            self.root.on_nonfinite(state.progress, event)
+
     def on_end(self, state):
         """Collective: gathers the steps since the last gather; rank 0 writes the last lines."""
         timings = self._gather_timings() if self.totals.values[PhaseTotals.STEPS] else None

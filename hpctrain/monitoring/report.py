@@ -68,6 +68,9 @@ def plot_loss(records):
     losses = [r for r in evals if isinstance(r.get("val_loss"), (int, float))]
     if losses:
         ax_loss.plot([r["step"] for r in losses], [r["val_loss"] for r in losses], "o-", label="val_loss")
+    for i, r in enumerate(_kind(records, "nonfinite")):  # a mark where a step was not finite
+        ax_loss.axvline(r.get("step", 0), color="red", linestyle=":", linewidth=1,
+                        label="non-finite step" if i == 0 else None)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     positive = [r["loss"] for r in train if r["loss"] > 0] + [r["val_loss"] for r in losses if r["val_loss"] > 0]
     if positive and max(positive) / min(positive) > 100:
@@ -196,6 +199,7 @@ def summarize(records):
         "slow_rank_reports": [{k: r.get(k) for k in ("rank", "host", "phase", "ratio", "step")}
                               for r in _kind(records, "slow_rank")],
         "divergences": [{"step": r.get("step"), "ranks": r.get("ranks")} for r in _kind(records, "divergence")],
+        "nonfinite": [{k: r.get(k) for k in ("step", "action", "tensor")} for r in _kind(records, "nonfinite")],
         "checkpoints": len(_kind(records, "checkpoint")),
         "checkpoint_mean_seconds": float(np.mean(saves)) if saves else None,
         "gather_mean_seconds": float(np.mean([g["seconds"] for g in gathers])) if gathers else None,
@@ -214,8 +218,8 @@ def format_summary(s):
              f"mean throughput: {num(s['samples_per_s'], '.1f')} samples/s ({num(s['steps_per_s'], '.2f')} steps/s)",
              f"final training loss: {num(s['final_loss'], '.4g')}"]
     if s["last_eval"]:
-        values = ", ".join(f"{k} {v:.4g}" for k, v in s["last_eval"].items()
-                           if k not in ("step", "epoch") and isinstance(v, (int, float)))
+        values = ", ".join(f"{k} {'nan' if v is None else format(v, '.4g')}" for k, v in s["last_eval"].items()
+                           if k not in ("step", "epoch") and (v is None or isinstance(v, (int, float))))
         lines.append(f"last evaluation (step {s['last_eval'].get('step')}): {values}")
     if s["slowest"]:
         w = s["slowest"]
@@ -230,6 +234,12 @@ def format_summary(s):
     if s["divergences"]:
         lines.append("parameters diverged: " + "; ".join(f"ranks {d['ranks']} at step {d['step']}"
                                                         for d in s["divergences"]))
+    if s.get("nonfinite"):
+        events = s["nonfinite"]
+        counts = ", ".join(f"{n} {a}" for a in ("skip", "rollback", "stop")
+                           if (n := sum(e["action"] == a for e in events)))
+        shown = "; ".join(f"step {e['step']} {e['action']} ({e['tensor']})" for e in events[:5])
+        lines.append(f"non-finite steps: {len(events)} ({counts}): {shown}" + (" ..." if len(events) > 5 else ""))
     lines.append(f"checkpoints: {s['checkpoints']}, mean save time {num(s['checkpoint_mean_seconds'], '.3f')} s")
     if s["gather_mean_seconds"] is not None:
         lines.append(f"timing gather: {s['gather_mean_seconds'] * 1e3:.2f} ms each, "

@@ -33,6 +33,14 @@ def _number(value):
     return value if math.isfinite(value) else None
 
 
+def _shown(value):
+    """A float for display (NaN and inf kept), or the value itself if it is no number."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
 class MetricsWriter:
     """One JSON object per line in ``metrics.jsonl``, TensorBoard optionally."""
 
@@ -150,13 +158,25 @@ class RunLog:
             self._write_interval(progress.step, progress.epoch)
 
     def on_eval(self, progress, metrics):
-        values = {k: _number(v) for k, v in metrics.items()}
-        values = {k: v for k, v in values.items() if v is not None and k not in ("step", "epoch", "kind")}
+        # A non-finite metric stays: shown as nan, written as null (JSON has no NaN).
+        shown = {k: _shown(v) for k, v in metrics.items() if k not in ("step", "epoch", "kind")}
+        values = {k: _number(v) for k, v in shown.items()}
         self.writer.write({"kind": "eval", "step": progress.step, "epoch": progress.epoch, **self._times(),
                            **values})
         self.writer.scalars("eval", values, progress.step)
-        text = " ".join(f"{k} {v:.4g}" for k, v in values.items())
+        text = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
         self.display.message(f"eval at step {progress.step} epoch {progress.epoch}: {text}")
+
+    def on_nonfinite(self, progress, event):
+        """The trainer found non-finite averaged gradients (see ``train.on_nonfinite``)."""
+        self.writer.write({"kind": "nonfinite", "epoch": progress.epoch, **self._times(),
+                           **{k: _number(v) if isinstance(v, float) else v for k, v in event.items()}})
+        action = {"skip": f"update skipped ({event.get('consecutive')} in a row)",
+                  "rollback": f"rolled back to step {event.get('to_step')}, learning rate x "
+                              f"{event.get('lr_factor', 1.0):g} (rollback {event.get('rollbacks')})",
+                  "stop": "training stops"}.get(event.get("action"), event.get("action"))
+        self.display.message(f"hpctrain: warning: step {event.get('step')}: non-finite gradients (first: "
+                             f"{event.get('tensor')}); {action}")
 
     def on_checkpoint(self, progress, path, seconds):
         self.writer.write({"kind": "checkpoint", "step": progress.step, "epoch": progress.epoch,
@@ -177,7 +197,8 @@ class RunLog:
         iv, now = self.interval, time.perf_counter()
         elapsed = now - iv["start"]
         steps = iv["steps"]
-        loss = _number(iv["loss_sum"] / iv["loss_n"]) if iv["loss_n"] else None
+        shown_loss = _shown(iv["loss_sum"] / iv["loss_n"]) if iv["loss_n"] else None  # nan stays nan
+        loss = _number(shown_loss)
         record = {"kind": "train", "step": step, "epoch": epoch, **self._times(), "steps": steps,
                   "loss": loss, "lr": _number(iv["lr"]),
                   "step_time": elapsed / steps if steps else None,
@@ -190,7 +211,7 @@ class RunLog:
         self.writer.scalars("train", {k: record[k] for k in ("loss", "lr", "samples_per_s", "step_time")}, step)
         for phase, stats in record.get("phases", {}).items():
             self.writer.scalars("phase_mean", {phase: stats["mean"]}, step)
-        self.display.interval(step, epoch, loss, record["lr"], record["samples_per_s"], record["step_time"])
+        self.display.interval(step, epoch, shown_loss, record["lr"], record["samples_per_s"], record["step_time"])
         self.interval = self._new_interval(start=time.perf_counter())
 
     def _digest(self, step, table, gather_seconds):
