@@ -91,9 +91,27 @@ def test_same_slurm_job_takes_over_its_own_lock(tmp_path):
         runlock.acquire(str(tmp_path), environ=env)
 
 
-def test_hold_releases_on_error(tmp_path):
-    with pytest.raises(RuntimeError):
-        with runlock.hold(str(tmp_path)):
-            assert (tmp_path / runlock.LOCK_NAME).exists()
-            raise RuntimeError("boom")
-    assert not (tmp_path / runlock.LOCK_NAME).exists()
+def _slurm_holder(step, restart):
+    return json.dumps({"slurm_job": "77", "slurm_step": step, "slurm_restart": restart,
+                       "host": "othernode", "pid": 1, "started": "x", "token": os.urandom(4).hex()})
+
+
+def test_requeued_job_takes_over_but_a_second_live_step_is_refused(tmp_path, monkeypatch):
+    lock = tmp_path / runlock.LOCK_NAME
+    # the same job, run again after a requeue (SLURM_RESTART_COUNT went up): the old run is gone
+    lock.write_text(_slurm_holder("77.0", 0))
+    runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0",
+                                            "SLURM_RESTART_COUNT": "1"})
+    assert json.loads(lock.read_text())["slurm_restart"] == 1
+    # the same run of the job, another step that squeue still lists: a second live step, refused
+    monkeypatch.setattr(runlock, "_squeue", lambda args: "77.0\n77.batch\n")
+    lock.write_text(_slurm_holder("77.0", 0))
+    with pytest.raises(runlock.RunDirBusy) as info:
+        runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
+    text = str(info.value)
+    assert "in use by Slurm job 77 step 77.0, pid 1 on othernode" in text
+    assert "another step of this job, still running" in text and "scancel 77.0" in text
+    # ... and once squeue no longer lists that step, it is taken over
+    monkeypatch.setattr(runlock, "_squeue", lambda args: "77.batch\n")
+    runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
+    assert json.loads(lock.read_text())["slurm_step"] == "77.1"

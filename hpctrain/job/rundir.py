@@ -23,8 +23,9 @@ def create(cfg, world, backend):
             n += 1
             path = f"{base}-{n}"
     os.makedirs(path, exist_ok=True)
-    # One job per run directory: a second job stops here, before it overwrites anything.
-    runlock.acquire(path)
+    # One job per run directory, and per checkpoint directory wherever that is: a second job
+    # stops here, before it overwrites anything (runlock.release(path) frees both).
+    runlock.acquire(path, checkpoint_dir=cfg.checkpoint.directory)
     resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
     with open(os.path.join(path, "config.toml"), "w") as f:
         f.write(f"# resolved configuration of this run: {world.size} ranks ({world.launcher}), "

@@ -1,27 +1,49 @@
-"""One job per run directory: a lock file that a second job pointed at the same directory
-runs into, with who holds it and how to proceed, before anything is overwritten.
+"""One job per run directory (and per checkpoint directory): a lock file that a second job
+pointed at the same directory runs into, with who holds it and how to proceed, before
+anything is overwritten.
 
-The lock is a file created with ``O_CREAT | O_EXCL`` (atomic on local and network file
-systems alike, unlike ``flock`` on some parallel file systems) holding the owner's Slurm job
-id, host and pid. A lock is taken over, not refused, when its owner is evidently gone:
+The lock file ``.hpctrain.lock`` holds its owner: Slurm job, step and restart count, host,
+pid (with the process start time, so a reused pid is not mistaken for the owner) and a
+random token naming this one holding. A lock is taken over, not refused, when its owner is
+evidently gone:
 
-* the same Slurm job (a requeued or restarted job resumes in its own run directory),
-* the same host and the owning process no longer exists (a crash, ``kill -9``),
+* a process of this host that no longer exists (a crash, ``kill -9``; also exited but not
+  yet reaped, or its pid now used by another process),
+* an earlier run of the same Slurm job (requeued: a higher ``SLURM_RESTART_COUNT``, or the
+  same step id, which a live job never gives twice),
+* another step of the same Slurm job that ``squeue --steps`` no longer lists,
 * a Slurm job that ``squeue`` no longer lists as pending or running.
 
-Rank 0 takes the lock; every rank sees the outcome::
+A second live step of the same allocation (``srun`` twice on one run directory) is refused.
 
-    from hpctrain import runlock
+How the lock is taken, and what that relies on (plain POSIX names, so NFS and Lustre too):
 
-    with runlock.hold(run_dir, comm):
-        train(...)
+* **Creating** a free lock: the owner record is written and fsynced under a private name,
+  then ``link``\\ ed to ``.hpctrain.lock``. ``link`` fails with ``EEXIST`` when the name is
+  taken, atomically, on local file systems, NFSv3+ and Lustre; the lock never exists
+  half-written. (A retransmitted NFS ``link`` can report ``EEXIST`` for a link it made:
+  the private file's link count then says so.)
+* **Taking over** a stale lock with token ``T``: first create ``.hpctrain.lock.claim-T``
+  with ``O_CREAT | O_EXCL`` (atomic on NFSv3+ and Lustre). Exactly one process can create
+  it; only that one replaces the lock file (``rename`` of its own record over it). The others
+  look again and find the new, live owner.
+* **Releasing** goes through the same claim: the owner creates ``claim-T`` of its own token
+  before it removes the lock file. So while the lock file holds ``T``, only the one process
+  holding ``claim-T`` may change or remove it, and a process that judged ``T`` stale a moment
+  ago cannot replace a lock created after ``T`` was released.
+* Claims are kept for :data:`CLAIM_KEEP` seconds (judged by the file server's clock) and a
+  judgement older than a quarter of that is made again, so no claim is removed while a
+  process could still act on the judgement that it guards.
+* Nothing relies on ``flock``/``fcntl`` locks (missing or local-only on some parallel file
+  systems) or on clocks agreeing between hosts.
 
-or, where rank 0 creates the run directory inside a coordinated step, ``acquire(run_dir)``
-there before anything is written into it, and ``release(run_dir)`` on rank 0 at the end.
+Rank 0 takes the lock inside :func:`hpctrain.job.rundir.create`, and releases it
+(``release(run_dir)``, which also frees the checkpoint directory's lock) at the end.
 """
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -32,15 +54,19 @@ from ..errors import HpctrainError
 from .preemption import slurm_job_id
 
 LOCK_NAME = ".hpctrain.lock"
+CLAIM_MARK = ".claim-"
+NEW_MARK = ".new-"
 
 
 class RunDirBusy(HpctrainError):
-    """Another job is using this run directory."""
+    """Another job is using this run directory (or checkpoint directory)."""
 
 
 # How long a lock held by a process of this host outside Slurm that is just ending (a rank
 # that mpirun is still tearing down after a crash) may take to go away before it counts as busy.
 SETTLE_SECONDS = 10.0
+# Seconds a takeover claim is kept; see the module docstring.
+CLAIM_KEEP = 600.0
 
 
 def _proc_state(pid):
@@ -55,8 +81,15 @@ def _proc_state(pid):
 
 def _owner(environ=None):
     env = os.environ if environ is None else environ
-    return {"slurm_job": slurm_job_id(env), "host": socket.gethostname(), "pid": os.getpid(),
-            "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    job_number = env.get("SLURM_JOB_ID") or None
+    step = None
+    if job_number:
+        step = f"{job_number}.{env.get('SLURM_STEP_ID') or 'batch'}"
+    return {"slurm_job": slurm_job_id(env), "slurm_step": step,
+            "slurm_restart": int(env.get("SLURM_RESTART_COUNT") or 0),
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "token": secrets.token_hex(8)}
 
 
 def _pid_alive(pid, proc_start=None):
@@ -74,104 +107,261 @@ def _pid_alive(pid, proc_start=None):
     return True
 
 
+def _squeue(args):
+    """stdout of ``squeue -h ARGS``; ``None`` when unsure (no squeue, it failed or hung);
+    ``""`` when squeue says the job is unknown."""
+    squeue = shutil.which("squeue")
+    if not squeue:
+        return None
+    try:
+        proc = subprocess.run([squeue, "-h", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return "" if "Invalid job id" in proc.stderr else None
+    return proc.stdout
+
+
 def _slurm_job_active(job):
     """False when squeue positively says the job is not pending/running; True if unsure."""
-    squeue = shutil.which("squeue")
-    if not squeue or not job:
+    if not job:
         return True
-    try:
-        proc = subprocess.run([squeue, "-h", "-j", str(job), "-o", "%T"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    out = _squeue(["-j", str(job), "-o", "%T"])
+    if out is None:
         return True
-    if proc.returncode != 0:
-        return "Invalid job id" not in proc.stderr
-    states = proc.stdout.split()
     return any(s in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED")
-               for s in states)
+               for s in out.split())
+
+
+def _slurm_step_active(step):
+    """False when squeue positively says step ``<job>.<step>`` is not running; True if unsure."""
+    if not step or "." not in step:
+        return True
+    out = _squeue(["-s", "-j", step.split(".")[0], "-o", "%i"])
+    if out is None:
+        return True
+    return step in out.split()
 
 
 def stale_reason(holder, me):
     """Why the lock of ``holder`` may be taken over by ``me``, or ``None`` if it may not."""
-    if holder.get("slurm_job") and holder.get("slurm_job") == me.get("slurm_job"):
-        return f"same Slurm job {me['slurm_job']} (requeued or restarted)"
-    if holder.get("host") == me.get("host") and not _pid_alive(holder.get("pid"), holder.get("proc_start")):
-        return f"process {holder.get('pid')} on {holder.get('host')} no longer exists"
-    if holder.get("slurm_job") and not _slurm_job_active(holder["slurm_job"]):
-        return f"Slurm job {holder['slurm_job']} is no longer running"
+    pid, host, job = holder.get("pid"), holder.get("host"), holder.get("slurm_job")
+    if host == me.get("host") and pid is not None:
+        # On this host the process table is the truth, whatever Slurm job it belongs to.
+        if _pid_alive(pid, holder.get("proc_start")):
+            return None
+        return f"process {pid} on {host} no longer exists"
+    if job and job == me.get("slurm_job"):
+        if "slurm_step" not in holder:  # written by an older hpctrain: assume requeued, as it did
+            return f"same Slurm job {job} (requeued or restarted)"
+        if int(holder.get("slurm_restart") or 0) < me.get("slurm_restart", 0):
+            return f"Slurm job {job} was requeued; the run that took the lock is gone"
+        if holder.get("slurm_step") == me.get("slurm_step"):
+            return f"same Slurm job {job} and step (restarted)"
+        if not _slurm_step_active(holder.get("slurm_step")):
+            return f"step {holder.get('slurm_step')} of Slurm job {job} has ended"
+        return None  # another live step of this very allocation
+    if job and not _slurm_job_active(job):
+        return f"Slurm job {job} is no longer running"
     return None
 
 
 def _describe(holder):
-    job = f"Slurm job {holder['slurm_job']}, " if holder.get("slurm_job") else ""
-    return f"{job}pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
+    job = ""
+    if holder.get("slurm_job"):
+        step = f" step {holder['slurm_step']}" if holder.get("slurm_step") else ""
+        job = f"Slurm job {holder['slurm_job']}{step}, "
+    run = holder.get("run_dir")
+    run = f" for run directory {run}" if run else ""
+    return f"{job}pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}{run}"
 
 
-def acquire(run_dir, environ=None):
-    """Take the lock of ``run_dir`` (created if missing). Returns the lock file's path.
+def _busy_error(directory, holder, me, kind):
+    path = os.path.join(directory, LOCK_NAME)
+    same_job = holder.get("slurm_job") and holder.get("slurm_job") == me.get("slurm_job")
+    what = "run directory" if kind == "run" else "checkpoint directory"
+    text = f"{what} {directory} is in use by {_describe(holder)}"
+    if same_job:
+        text += " (another step of this job, still running)"
+    if kind == "run":
+        fix = "give this run its own directory (run.run_dir)"
+    else:
+        fix = ("give this run its own checkpoint.directory, or leave it unset to use "
+               "<run directory>/checkpoints")
+    if same_job and holder.get("slurm_step"):
+        fix += f", or let step {holder['slurm_step']} end first (scancel {holder['slurm_step']} stops it)"
+    return RunDirBusy(text, hint=f"{fix}; if that job is really gone, delete {path}")
 
-    Raises :class:`RunDirBusy` when another live job holds it.
-    """
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, LOCK_NAME)
-    me = _owner(environ)
-    settle_until = time.monotonic() + SETTLE_SECONDS
-    for _ in range(3 + int(SETTLE_SECONDS / 0.25)):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+
+def _read(path):
+    """(holder dict, token) of the lock file, or (None, None) when there is none. A lock file
+    from an older hpctrain without a token is named by its inode."""
+    with open(path) as f:
+        st = os.fstat(f.fileno())
+        text = f.read()
+    holder = json.loads(text)
+    return holder, holder.get("token") or f"i{st.st_ino}"
+
+
+def _create_exclusive(path):
+    """Create ``path`` empty with ``O_EXCL``; False if it exists."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _link_new(record_path, path):
+    """``link`` the private record to the lock name; True if this made the lock."""
+    try:
+        os.link(record_path, path)
+        return True
+    except FileExistsError:
+        # NFS: a retransmitted link request answers EEXIST although the first one linked.
+        return os.stat(record_path).st_nlink == 2
+
+
+def _remove_old_claims(directory, reference_path):
+    """Remove claims older than CLAIM_KEEP, measured against a file just written here (the
+    file server's clock, not this host's)."""
+    try:
+        now = os.stat(reference_path).st_mtime
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(LOCK_NAME + CLAIM_MARK):
+            claim = os.path.join(directory, name)
             try:
-                with open(path) as f:
-                    holder = json.load(f)
-            except (OSError, ValueError):
-                holder = {}  # being written right now, or garbage: look again
-                time.sleep(0.2)
-                try:
-                    with open(path) as f:
-                        holder = json.load(f)
-                except FileNotFoundError:
-                    continue
-                except (OSError, ValueError):
-                    raise RunDirBusy(f"run directory {run_dir} has an unreadable lock file {path}",
-                                     hint=f"if no job uses {run_dir}, delete {path}")
-            except FileNotFoundError:
-                continue  # released meanwhile: try again
-            reason = stale_reason(holder, me)
-            if (reason is None and not holder.get("slurm_job") and holder.get("host") == me["host"]
-                    and time.monotonic() < settle_until):
-                # perhaps the rank 0 of a crashed mpirun job on this host, still being torn
-                # down (a Slurm job's end is known from squeue instead)
-                time.sleep(0.25)
-                continue
-            if reason is None:
-                raise RunDirBusy(
-                    f"run directory {run_dir} is in use by {_describe(holder)}",
-                    hint=f"give this run its own directory; if that job is really gone, delete {path}")
-            # Stale: replace it atomically, so two jobs taking over at once cannot both win.
-            fsutil.write_text(path, json.dumps(me))
-            with open(path) as f:
-                if json.load(f) == me:
-                    return path
+                if now - os.stat(claim).st_mtime > CLAIM_KEEP:
+                    os.unlink(claim)
+            except OSError:
+                pass
+
+
+def _lock_one(directory, me, kind):
+    """Take the lock of one directory for ``me``; raises :class:`RunDirBusy`."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LOCK_NAME)
+    record = path + NEW_MARK + me["token"]
+    with open(record, "w") as f:
+        json.dump(me, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        return _take(directory, path, record, me, kind)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # linked, renamed into place, or refused
+            os.unlink(record)
+
+
+def _take(directory, path, record, me, kind):
+    settle_until = time.monotonic() + SETTLE_SECONDS
+    deadline = settle_until + 20.0
+    unreadable_since = claimed_since = None
+    while time.monotonic() < deadline:
+        if _link_new(record, path):
+            fsutil.fsync_path(directory, directory=True)
+            _remove_old_claims(directory, path)
+            return path
+        try:
+            holder, token = _read(path)
+            judged_at = time.monotonic()
+        except FileNotFoundError:
+            continue  # released meanwhile: try again
+        except (OSError, ValueError):
+            # Only an older hpctrain wrote lock files in place; give it a moment to finish.
+            unreadable_since = unreadable_since or time.monotonic()
+            if time.monotonic() - unreadable_since > 2.0:
+                raise RunDirBusy(f"{kind} directory {directory} has an unreadable lock file {path}",
+                                 hint=f"if no job uses {directory}, delete {path}")
+            time.sleep(0.1)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return path
-    raise RunDirBusy(f"could not take the lock of run directory {run_dir}: it keeps changing hands",
+        if token == me["token"]:
+            return path
+        reason = stale_reason(holder, me)
+        if (reason is None and not holder.get("slurm_job") and holder.get("host") == me["host"]
+                and time.monotonic() < settle_until):
+            # perhaps the rank 0 of a crashed mpirun job on this host, still being torn
+            # down (a Slurm job's end is known from squeue instead)
+            time.sleep(0.25)
+            continue
+        if reason is None:
+            raise _busy_error(directory, holder, me, kind)
+        if time.monotonic() - judged_at > CLAIM_KEEP / 4:
+            continue  # judged too long ago (a hung squeue): its claim may be gone, look again
+        # Stale. Only the one process that creates this holding's claim may replace it.
+        if _create_exclusive(path + CLAIM_MARK + token):
+            os.replace(record, path)
+            fsutil.fsync_path(directory, directory=True)
+            _remove_old_claims(directory, path)
+            return path
+        # Someone else is taking it over (or its owner is releasing it): look again.
+        claimed_since = claimed_since or time.monotonic()
+        if time.monotonic() - claimed_since > 5.0:
+            raise RunDirBusy(
+                f"{kind} directory {directory}: the lock of {_describe(holder)} is stale, but the "
+                f"takeover {path + CLAIM_MARK + token} started by another process never finished",
+                hint=f"if no job uses {directory}, delete {path} and {path + CLAIM_MARK + token}")
+        time.sleep(0.05)
+    raise RunDirBusy(f"could not take the lock of {kind} directory {directory}: it keeps changing hands",
                      hint="give this run its own directory")
 
 
+def _same(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def acquire(run_dir, environ=None, checkpoint_dir=None):
+    """Take the lock of ``run_dir`` (created if missing) and, when given and elsewhere, of
+    ``checkpoint_dir`` for the same holder. Returns the run directory lock file's path.
+
+    Raises :class:`RunDirBusy` naming the holder when another live job holds either; then
+    nothing is held.
+
+    >>> runlock.acquire("runs/a", checkpoint_dir="/scratch/ckpt")   # doctest: +SKIP
+    >>> runlock.release("runs/a")        # frees both
+    """
+    me = _owner(environ)
+    me["run_dir"] = os.path.abspath(run_dir)
+    others = []
+    if checkpoint_dir and not _same(checkpoint_dir, run_dir):
+        others = [os.path.abspath(checkpoint_dir)]
+    me["also"] = others
+    path = _lock_one(run_dir, me, "run")
+    try:
+        for directory in others:
+            _lock_one(directory, me, "checkpoint")
+    except BaseException:
+        release(path, environ)
+        raise
+    return path
+
+
+def _release_one(path, token):
+    """Remove lock ``path`` if it holds ``token``, through the claim (see the module docstring)."""
+    try:
+        holder, held = _read(path)
+    except (OSError, ValueError):
+        return
+    if held != token or not _create_exclusive(path + CLAIM_MARK + token):
+        return  # not ours (taken over), or being taken over right now
+    fsutil.remove_quietly(path)
+
+
 def release(path, environ=None):
-    """Remove the lock file (``path``, or the run directory holding it) if it is still ours."""
+    """Release the lock (``path``, or the run directory holding it) if it is still this
+    process's, and the checkpoint directory's lock taken with it. (``environ`` is unused:
+    ownership is this process.)"""
     if os.path.isdir(path):
         path = os.path.join(path, LOCK_NAME)
     try:
-        with open(path) as f:
-            holder = json.load(f)
+        holder, token = _read(path)
     except (OSError, ValueError):
         return
-    me = _owner(environ)
-    if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+        return
+    for directory in holder.get("also") or []:
+        _release_one(os.path.join(directory, LOCK_NAME), token)
+    _release_one(path, token)
