@@ -31,9 +31,9 @@ import numpy as np
 
 from ..config import TrainConfig, load_config, validate
 from ..coordination import all_or_none, any_rank, on_root
-from ..errors import ConfigError
+from ..errors import ConfigError, HpctrainError
 from ..job import rundir, runlock
-from ..job.watchdog import Watchdog
+from ..job.watchdog import Watchdog, watching
 from ..monitoring.monitor import Monitor, build_callbacks
 from ..monitoring.timing import PhaseTimer
 from ..state import Progress, TrainState
@@ -52,7 +52,13 @@ class FitResult:
 
 
 # Why an epoch of training returned.
-EPOCH_END, MAX_STEPS, STOP_REQUESTED = "epoch_end", "max_steps", "stop_requested"
+EPOCH_END, MAX_STEPS, STOP_REQUESTED, ROLLED_BACK = "epoch_end", "max_steps", "stop_requested", "rolled_back"
+
+
+class NonFiniteError(HpctrainError):
+    """Training stopped because the averaged gradients were not finite (``train.on_nonfinite``)."""
+
+    exit_code = 5
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Run:
     loss_fn: Any
     base_lr: float
     last_loss: Optional[float] = None  # this rank's, of the last step
+    skips: int = 0  # consecutive steps whose non-finite gradients were not applied
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
     evaluated_at: Optional[int] = None  # the step of the last evaluation
 
@@ -122,8 +129,8 @@ class Trainer:
         with contextlib.ExitStack() as local:
             run = self.run = self._set_up(local)
             why = EPOCH_END
-            while why == EPOCH_END and run.state.progress.epoch < run.cfg.train.epochs:
-                why = self._train_epoch(run)
+            while why in (EPOCH_END, ROLLED_BACK) and run.state.progress.epoch < run.cfg.train.epochs:
+                why = self._train_epoch(run)  # after a rollback: again from where it went back to
                 if why == EPOCH_END:
                     self._end_epoch(run)
             stopped = why == STOP_REQUESTED
@@ -155,15 +162,20 @@ class Trainer:
         cfg = all_or_none(
             lambda: validate(self.config, world.size, cuda=cuda, need_data=self.train_data is None), comm)
         t = cfg.train
+        # A step, or any other collective phase (watching(...)), that outlives step_timeout (a
+        # rank stuck in a collective) ends the whole job. Made first: the set-up below already waits.
+        watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=comm, where=world.where()))
         backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
                               cfg.comm.gradient_predivide_factor)
-        run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
+        with watching("creating the run directory"):
+            run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
         if world.is_root:
             local.callback(runlock.release, run_dir)
 
-        train, val = self._datasets(cfg, world)
-        sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
-        all_or_none(lambda: _check_enough_data(sampler), comm)
+        with watching("opening the data set"):
+            train, val = self._datasets(cfg, world)
+            sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
+            all_or_none(lambda: _check_enough_data(sampler), comm)
 
         torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
         model = self.model if self.model is not None else build_model(cfg.model)
@@ -176,9 +188,10 @@ class Trainer:
         checkpoints = self.checkpoints
         if checkpoints == "auto":
             checkpoints = _default_checkpoints(cfg, world, run_dir)
-        if checkpoints is not None and checkpoints.resume(state):
-            sampler.seed = state.progress.seed  # the data order of the run being resumed
-        backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
+        with watching("resume from a checkpoint"):
+            if checkpoints is not None and checkpoints.resume(state):
+                sampler.seed = state.progress.seed  # the data order of the run being resumed
+            backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
 
         total_steps = sampler.steps_per_epoch * t.epochs
         if t.max_steps:
@@ -188,16 +201,14 @@ class Trainer:
         callbacks = self.callbacks
         if not any(isinstance(cb, Monitor) for cb in callbacks):
             # Every rank builds it: the monitor gathers timings across ranks.
-            callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
-                                        samples_per_step=sampler.global_batch) + callbacks
+            with watching("monitor set-up"):
+                callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
+                                            samples_per_step=sampler.global_batch) + callbacks
         params, tensors = count_parameters(model)
         self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model {params:,} "
                   f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
                   f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
-
-        # A step that outlives step_timeout (a rank stuck in a collective) ends the whole job.
-        watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=comm, where=world.where()))
         model.train()
         return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
                    PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
@@ -209,10 +220,13 @@ class Trainer:
         for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.world.rank):
             if t.max_steps and progress.step >= t.max_steps:
                 return MAX_STEPS
-            self._step(run, micro_batches)
+            if self._step(run, micro_batches) == ROLLED_BACK:
+                return ROLLED_BACK  # the epoch, its position and the sampler are the checkpoint's now
             # Agree at every step boundary, so all ranks save and stop after the same step.
-            if self.stop_requested is not None and any_rank(bool(self.stop_requested()), run.world.comm):
-                return STOP_REQUESTED
+            if self.stop_requested is not None:
+                with watching(f"stop agreement after step {progress.step}"):
+                    if any_rank(bool(self.stop_requested()), run.world.comm):
+                        return STOP_REQUESTED
         return EPOCH_END
 
     def _end_epoch(self, run):
@@ -225,7 +239,8 @@ class Trainer:
 
     def _finish(self, run, stopped):
         """The mean last loss over ranks; unless stopped, a last evaluation and the final save."""
-        train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
+        with watching("final loss average"):
+            train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
         if not stopped:
             if run.val is not None and run.evaluated_at != run.state.progress.step:  # ended mid-epoch
                 self._evaluate(run)
@@ -236,20 +251,28 @@ class Trainer:
         """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over
         ranks and closing checkpoints waits for a background save, which a rank that failed
         alone never joins; the job is being aborted then anyway."""
-        for cb in run.callbacks:
-            _call(cb, "on_end", run.state)
+        with watching("monitor end (last gather of timings)"):
+            for cb in run.callbacks:
+                _call(cb, "on_end", run.state)
         if run.checkpoints is not None:
-            run.checkpoints.close()
+            with watching("final wait for a background checkpoint save"):
+                run.checkpoints.close()
         run.backend.close()
 
     # ------------------------------------------------------------------ one step
     def _step(self, run, micro_batches):
-        """One optimizer step, then the evaluation and checkpoint it is due and the callbacks."""
+        """One optimizer step, then the evaluation and checkpoint it is due and the callbacks.
+        Returns ROLLED_BACK when non-finite gradients sent the run back to a checkpoint."""
         t, progress, timer = run.cfg.train, run.state.progress, run.timer
         timer.start_step()
-        lr = _set_lr(run.state.optimizer, run.base_lr, t.warmup_steps, progress.step)
+        lr = _set_lr(run.state.optimizer, run.base_lr * progress.extra.get(LR_FACTOR, 1.0), t.warmup_steps,
+                     progress.step)
         with run.watchdog.step(progress.step + 1):
-            run.last_loss = self._train_step(run, micro_batches)
+            run.last_loss, nonfinite = self._train_step(run, micro_batches)
+        if nonfinite is None:
+            run.skips = 0
+        elif self._nonfinite(run, nonfinite) == ROLLED_BACK:
+            return ROLLED_BACK
         progress.step += 1
         progress.samples_in_epoch += run.sampler.global_batch
         step_metrics = {"loss": run.last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
@@ -260,8 +283,10 @@ class Trainer:
         with timer.phase("checkpoint"):
             self._save(run, metrics=fresh)
         phase_times = timer.times()
-        for cb in run.callbacks:
-            _call(cb, "on_step", run.state, step_metrics, phase_times)
+        with watching(f"callbacks (monitor gathers) at step {progress.step}"):
+            for cb in run.callbacks:
+                _call(cb, "on_step", run.state, step_metrics, phase_times)
+        return None
 
     def _train_step(self, run, micro_batches):
         """Forward/backward every micro-batch, average gradients, apply them; mean loss."""
@@ -283,16 +308,72 @@ class Trainer:
         with timer.phase("allreduce_wait"):
             backend.synchronize(optimizer)
         with timer.phase("optimizer"):
-            backend.step(optimizer, scaler)
+            # With a GradScaler, inf/NaN gradients are its own business: it skips the step
+            # and lowers the scale. Otherwise a non-finite step is never applied.
+            nonfinite = None
+            if scaler is None and not _grads_finite(optimizer):
+                nonfinite = _first_nonfinite(model)  # the slow search, on this path only
+            else:
+                backend.step(optimizer, scaler)
             optimizer.zero_grad()
-        return total / len(micro_batches)
+        return total / len(micro_batches), nonfinite
+
+    def _nonfinite(self, run, tensor):
+        """The averaged gradients of the step just taken were not finite (the same verdict on
+        every rank: they hold the same averaged gradients); its update was not applied. Skip,
+        roll back (returns ROLLED_BACK) or raise :class:`NonFiniteError`, as
+        ``train.on_nonfinite`` says. ``tensor``: the first parameter whose gradient is not finite."""
+        t, progress = run.cfg.train, run.state.progress
+        step = progress.step + 1
+        run.skips += 1
+        rollbacks = progress.extra.get(ROLLBACKS, 0)
+        policy = t.on_nonfinite
+        if policy in ("auto", "skip") and run.skips <= t.max_nonfinite_skips:
+            action = "skip"
+        elif policy in ("auto", "rollback") and run.checkpoints is not None and rollbacks < t.max_rollbacks:
+            action = "rollback"
+        else:
+            action = "stop"
+        event = {"step": step, "action": action, "tensor": tensor, "policy": policy,
+                 "consecutive": run.skips, "rollbacks": rollbacks}
+        if action == "rollback":
+            factor = progress.extra.get(LR_FACTOR, 1.0) * t.rollback_lr_factor
+            with watching(f"rollback to the newest checkpoint after step {step}"):
+                path = run.checkpoints.load_latest(run.state)
+            if path is not None:
+                progress = run.state.progress
+                # The run's own history, not the checkpoint's: kept across later resumes.
+                progress.extra.update({ROLLBACKS: rollbacks + 1, LR_FACTOR: factor})
+                run.sampler.seed = progress.seed
+                run.skips, run.evaluated_at = 0, None
+                event.update(rollbacks=rollbacks + 1, to_step=progress.step, lr_factor=factor, path=path)
+                self._tell_nonfinite(run, event)
+                return ROLLED_BACK
+            action = event["action"] = "stop"
+            event["why"] = "no checkpoint of this run to roll back to"
+        elif action == "stop" and policy in ("auto", "rollback") and run.checkpoints is None \
+                and rollbacks < t.max_rollbacks and (policy == "rollback" or run.skips > t.max_nonfinite_skips):
+            event["why"] = "no checkpoints to roll back to (the trainer was given checkpoints=None)"
+        if action == "skip":
+            self._tell_nonfinite(run, event)
+            return None
+        self._tell_nonfinite(run, event)
+        raise NonFiniteError(_stop_message(step, tensor, run, event),
+                             hint=_stop_hint(run.checkpoints))
+
+    def _tell_nonfinite(self, run, event):
+        with watching(f"callbacks (non-finite step {event['step']})"):
+            for cb in run.callbacks:
+                _call(cb, "on_nonfinite", run.state, dict(event))
 
     def _save(self, run, **when):
         """Save if ``when`` calls for it (collective); tell the callbacks what was saved."""
         if run.checkpoints is None:
             return None
         started = time.perf_counter()
-        path = run.checkpoints.maybe_save(run.state, **when)
+        why = "".join(f" ({k.replace('_', ' ')})" for k in ("epoch_end", "final", "requested") if when.get(k))
+        with watching(f"checkpoint save at step {run.state.progress.step}{why}"):
+            path = run.checkpoints.maybe_save(run.state, **when)
         if path:
             for cb in run.callbacks:
                 _call(cb, "on_checkpoint", run.state, path, time.perf_counter() - started)
@@ -300,6 +381,10 @@ class Trainer:
 
     def _evaluate(self, run):
         """Loss and accuracy over the whole validation set, each rank scoring its part."""
+        with watching(f"evaluation at step {run.state.progress.step}"):
+            return self._evaluate_watched(run)
+
+    def _evaluate_watched(self, run):
         import torch
 
         from ..data import eval_shard
@@ -355,6 +440,55 @@ def _make_optimizer(model, t, lr):
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+
+
+# Kept in Progress.extra, so in every checkpoint: how often this run rolled back, and the
+# learning-rate multiplier those rollbacks left.
+ROLLBACKS, LR_FACTOR = "nonfinite_rollbacks", "lr_factor"
+
+
+def _grads_finite(optimizer):
+    """True if every gradient is finite: one fused norm per device, one sync (which the
+    step's ``float(loss)`` already pays for). A sum of squares that overflows counts as
+    non-finite too: such a step is blowing up anyway."""
+    import torch
+
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    return bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).sum()))
+
+
+def _first_nonfinite(model):
+    """``name (NaN)`` or ``name (inf)`` of the first parameter whose gradient is not finite."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return f"{name} ({'NaN' if bool(torch.isnan(p.grad).any()) else 'inf'})"
+    return "none: every element is finite, but their norm overflows"
+
+
+def _stop_message(step, tensor, run, event):
+    t = run.cfg.train
+    why = {"stop": "train.on_nonfinite = \"stop\"",
+           "skip": f"{event['consecutive']} consecutive non-finite steps, more than train.max_nonfinite_skips "
+                   f"= {t.max_nonfinite_skips}",
+           "rollback": f"{event['rollbacks']} rollbacks already, train.max_rollbacks = {t.max_rollbacks}",
+           "auto": f"{event['consecutive']} consecutive non-finite steps and {event['rollbacks']} rollbacks "
+                   f"(train.max_rollbacks = {t.max_rollbacks})"}[t.on_nonfinite]
+    if event.get("why"):
+        why = event["why"]
+    return (f"training stopped at step {step}: the averaged gradients are not finite; first non-finite "
+            f"gradient: {tensor}; {why}. The update of step {step} was not applied")
+
+
+def _stop_hint(checkpoints):
+    newest = getattr(checkpoints, "last_path", None)
+    where = f"; the newest checkpoint {newest} holds the last good state" if newest else ""
+    return ("lower train.lr, add train.warmup_steps, or look for NaN/inf in the data" + where +
+            " (a new job resumes from it with checkpoint.resume=auto)")
 
 
 def _set_lr(optimizer, base_lr, warmup_steps, step):
