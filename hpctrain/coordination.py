@@ -131,23 +131,45 @@ def abort_job(comm, code=1):
     os._exit(code)
 
 
+def _exit_status(exc):
+    """The non-zero status to abort with for ``SystemExit(code)`` (``sys.exit(0)`` included:
+    the other ranks were not done)."""
+    return exc.code if isinstance(exc.code, int) and not isinstance(exc.code, bool) and exc.code > 0 else 1
+
+
 @contextlib.contextmanager
 def abort_on_exception(comm, where=None):
     """Log an exception with rank and host, then abort the whole job (if it has >1 rank).
 
+    Anything that leaves the block on one rank alone ends every rank, since the others may
+    be waiting for it in a collective: any exception, and any ``BaseException`` too:
+    ``KeyboardInterrupt``, and ``sys.exit(code)`` on one rank, ``sys.exit(0)`` included (leave
+    the block normally instead). The job is aborted with a non-zero status, rank and host named.
+
     Known user errors (:class:`HpctrainError`) are printed without a traceback. When the
-    error is raised on every rank alike (as :func:`on_root`/:func:`all_or_none` arrange),
-    the ranks exit normally with the error's code instead of aborting.
+    error is raised on every rank alike (as :func:`on_root`/:func:`all_or_none` arrange, or
+    ``raise everywhere(SystemExit(code))``), the ranks exit normally with the error's code
+    instead of aborting.
+
+    >>> with abort_on_exception(comm, where=world.node):    # doctest: +SKIP
+    ...     train()
     """
     try:
         yield
-    except SystemExit:
-        raise
     except BaseException as exc:  # noqa: B902 - we end the job on anything
         rank = comm.Get_rank() if comm is not None else 0
         size = comm.Get_size() if comm is not None else 1
         host = where or socket.gethostname()
         collective = getattr(exc, "collective", False) or size == 1
+        if isinstance(exc, SystemExit):
+            if collective:
+                raise  # every rank leaves alike (or there is only one)
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _say(f"hpctrain: rank {rank} ({host}) called sys.exit({exc.code!r}) alone; the other ranks "
+                 f"would wait for it in a collective: aborting all {size} ranks\n{text}"
+                 f"HINT: end every rank alike (return from the block, or raise "
+                 f"coordination.everywhere(SystemExit(code)) on every rank)")
+            abort_job(comm, _exit_status(exc))
         code = getattr(exc, "exit_code", 1)
         if isinstance(exc, HpctrainError):
             if not collective:
@@ -160,4 +182,5 @@ def abort_on_exception(comm, where=None):
             _say(f"hpctrain: unhandled exception on rank {rank} ({host}){ending}\n{text}")
         if not collective:
             abort_job(comm, 1)
-        raise SystemExit(code)
+        # every rank ends here alike: an enclosing abort_on_exception lets it through
+        raise everywhere(SystemExit(code))

@@ -109,3 +109,36 @@ def test_watchdog_per_section_timeout():
     """)
     assert proc.stdout.strip() == "ok" and proc.returncode == 4, proc.stderr
     assert "checkpoint still running after 0.3 s" in proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,failing,status,says", [
+    ("exit3", 1, 3, "called sys.exit(3) alone"),
+    ("exit0", 0, None, "called sys.exit(0) alone"),
+    ("interrupt", 1, None, "KeyboardInterrupt"),
+    ("base", 0, None, "Cancelled: injected on rank 0"),
+])
+def test_exit_or_base_exception_on_one_rank_ends_every_rank(mode, failing, status, says):
+    # sys.exit, KeyboardInterrupt or any BaseException on one rank used to let that rank end
+    # normally while the others waited in the allreduce forever.
+    start = time.monotonic()
+    result = mpirun(2, ["tests/mpi/exit_one_rank.py", str(failing), mode], timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0, result.output
+    if status is not None:
+        assert result.returncode == status, result.output
+    assert f"rank {failing} ({HOST})" in result.stderr and "aborting all 2 ranks" in result.stderr, result.stderr
+    assert says in result.stderr
+    assert result.stdout.count("started") == 2 and "allreduce passed" not in result.stdout
+    assert elapsed < 45, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,status", [("everywhere", 4), ("collective", 2)])
+def test_exit_taken_by_every_rank_alike_ends_the_ranks_normally(mode, status):
+    result = mpirun(2, ["tests/mpi/exit_one_rank.py", "0", mode], timeout=60)
+    assert result.returncode == status, result.output
+    assert "aborting" not in result.stderr and "MPI_ABORT" not in result.output
+    assert result.stdout.count("started") == 2
+    if mode == "collective":  # the same error on every rank, said once
+        assert result.stderr.count("hpctrain: error: bad value") == 1, result.stderr
