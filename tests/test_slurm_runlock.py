@@ -1,16 +1,18 @@
-"""The run directory lock (pure file logic, real processes); the same between two real
-Slurm jobs is in test_slurm.py."""
+"""The run directory lock (pure file logic, real processes), and two steps of one real Slurm
+allocation on one run directory; the same between two real Slurm jobs is in test_slurm.py."""
 import json
 import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
 from hpctrain.job import runlock
 from hpctrain.errors import HpctrainError
+from mpi_harness import ROOT
 
 
 def _holder(run_dir, seconds):
@@ -115,3 +117,56 @@ def test_requeued_job_takes_over_but_a_second_live_step_is_refused(tmp_path, mon
     monkeypatch.setattr(runlock, "_squeue", lambda args: "77.batch\n")
     runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
     assert json.loads(lock.read_text())["slurm_step"] == "77.1"
+
+
+STEP = textwrap.dedent("""
+    import os, sys, time
+    from hpctrain.job import runlock
+    from hpctrain.errors import HpctrainError
+    run_dir, name = sys.argv[1:3]
+    try:
+        path = runlock.acquire(run_dir)
+    except HpctrainError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    open(os.path.join(run_dir, "owner-" + name), "w").write(os.environ["SLURM_STEP_ID"])
+    for _ in range(300):  # hold it until the batch script says the other step is done
+        if os.path.exists(os.path.join(run_dir, "go")):
+            break
+        time.sleep(0.1)
+    runlock.release(path)
+""")
+
+BATCH = """#!/bin/bash
+{python} {step} {run_dir} first &
+for i in $(seq 300); do [ -e {run_dir}/owner-first ] && break; sleep 0.1; done
+{python} {step} {run_dir} second
+echo "second step exited $?"
+touch {run_dir}/go
+wait
+"""
+
+
+@pytest.mark.slurm
+def test_second_step_of_one_allocation_on_the_same_run_dir_is_refused(slurm_cluster, tmp_path):
+    # Two `srun` steps of one job: the same SLURM_JOB_ID, so not a requeued job, but a second
+    # live step; it must stop before it touches the run directory.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    step = tmp_path / "step.py"
+    step.write_text(STEP)
+    srun = "srun --overlap -n1 -N1"
+    batch = tmp_path / "two_steps.sh"
+    batch.write_text(BATCH.format(python=f"{srun} {sys.executable}", step=step, run_dir=run_dir))
+    env = slurm_cluster.env({"PYTHONPATH": str(ROOT)})
+    job = slurm_cluster.run(["sbatch", "--parsable", "-n2", f"--output={tmp_path}/job.out", str(batch)],
+                            env=env).stdout.strip()
+    (record,) = slurm_cluster.wait(job, timeout=90)
+    out = (tmp_path / "job.out").read_text()
+    assert record["JobState"] == "COMPLETED", out
+    assert "second step exited 2" in out, out
+    assert (f"run directory {run_dir} is in use by Slurm job {job} step {job}.0, pid " in out
+            and f" on {socket.gethostname()} since " in out), out
+    assert "(another step of this job, still running)" in out and f"scancel {job}.0" in out, out
+    assert (run_dir / "owner-first").read_text() == "0" and not (run_dir / "owner-second").exists()
+    assert not (run_dir / runlock.LOCK_NAME).exists()  # the first step released it
