@@ -117,6 +117,10 @@ def test_requeued_job_takes_over_but_a_second_live_step_is_refused(tmp_path, mon
     monkeypatch.setattr(runlock, "_squeue", lambda args: "77.batch\n")
     runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
     assert json.loads(lock.read_text())["slurm_step"] == "77.1"
+    # the batch step (mpirun in the job script) on another node lives as long as the job
+    lock.write_text(_slurm_holder("77.batch", 0))
+    with pytest.raises(runlock.RunDirBusy, match="in use by Slurm job 77 step 77.batch, pid 1 on othernode"):
+        runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
 
 
 STEP = textwrap.dedent("""

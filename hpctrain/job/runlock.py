@@ -11,7 +11,8 @@ evidently gone:
   yet reaped, or its pid now used by another process),
 * an earlier run of the same Slurm job (requeued: a higher ``SLURM_RESTART_COUNT``, or the
   same step id, which a live job never gives twice),
-* another step of the same Slurm job that ``squeue --steps`` no longer lists,
+* another step of the same Slurm job that ``squeue --steps`` no longer lists (the batch
+  step, which lives as long as the job, only when it was on this host and has exited),
 * a Slurm job that ``squeue`` no longer lists as pending or running.
 
 A second live step of the same allocation (``srun`` twice on one run directory) is refused.
@@ -158,6 +159,8 @@ def stale_reason(holder, me):
             return f"Slurm job {job} was requeued; the run that took the lock is gone"
         if holder.get("slurm_step") == me.get("slurm_step"):
             return f"same Slurm job {job} and step (restarted)"
+        if str(holder.get("slurm_step")).endswith(".batch"):
+            return None  # the batch step lives as long as the job (and is on another host)
         if not _slurm_step_active(holder.get("slurm_step")):
             return f"step {holder.get('slurm_step')} of Slurm job {job} has ended"
         return None  # another live step of this very allocation
@@ -179,16 +182,19 @@ def _describe(holder):
 def _busy_error(directory, holder, me, kind):
     path = os.path.join(directory, LOCK_NAME)
     same_job = holder.get("slurm_job") and holder.get("slurm_job") == me.get("slurm_job")
+    other_step = same_job and holder.get("slurm_step") and holder.get("slurm_step") != me.get("slurm_step")
     what = "run directory" if kind == "run" else "checkpoint directory"
     text = f"{what} {directory} is in use by {_describe(holder)}"
-    if same_job:
+    if other_step:
         text += " (another step of this job, still running)"
+    elif same_job:
+        text += " (another launch in the same step of this job, still running)"
     if kind == "run":
         fix = "give this run its own directory (run.run_dir)"
     else:
         fix = ("give this run its own checkpoint.directory, or leave it unset to use "
                "<run directory>/checkpoints")
-    if same_job and holder.get("slurm_step"):
+    if other_step:
         fix += f", or let step {holder['slurm_step']} end first (scancel {holder['slurm_step']} stops it)"
     return RunDirBusy(text, hint=f"{fix}; if that job is really gone, delete {path}")
 
