@@ -43,6 +43,7 @@ Rank 0 takes the lock inside :func:`hpctrain.job.rundir.create`, and releases it
 """
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -53,6 +54,8 @@ import time
 from .. import fsutil
 from ..errors import HpctrainError
 from .preemption import slurm_job_id
+
+log = logging.getLogger("hpctrain")
 
 LOCK_NAME = ".hpctrain.lock"
 CLAIM_MARK = ".claim-"
@@ -200,8 +203,8 @@ def _busy_error(directory, holder, me, kind):
 
 
 def _read(path):
-    """(holder dict, token) of the lock file, or (None, None) when there is none. A lock file
-    from an older hpctrain without a token is named by its inode."""
+    """(holder dict, token) of the lock file (``FileNotFoundError`` when there is none). A
+    lock file from an older hpctrain without a token is named by its inode."""
     with open(path) as f:
         st = os.fstat(f.fileno())
         text = f.read()
@@ -299,6 +302,8 @@ def _take(directory, path, record, me, kind):
             continue  # judged too long ago (a hung squeue): its claim may be gone, look again
         # Stale. Only the one process that creates this holding's claim may replace it.
         if _create_exclusive(path + CLAIM_MARK + token):
+            log.warning("taking over the lock of %s directory %s from %s: %s", kind, directory,
+                        _describe(holder), reason)
             os.replace(record, path)
             fsutil.fsync_path(directory, directory=True)
             _remove_old_claims(directory, path)
