@@ -91,10 +91,12 @@ class Trainer:
     ``config``: a :class:`~hpctrain.config.TrainConfig`, a dict of sections, or a TOML path.
     ``model``: an ``nn.Module`` (default: built from ``[model]``). ``train_data``/``val_data``:
     datasets (default: the HDF5 file of ``[data]``). ``checkpoints``: an object with
-    ``resume(state)``, ``maybe_save(state, ...)``, ``close()``; ``"auto"`` uses
+    ``resume(state)``, ``maybe_save(state, ...)``, ``close()`` (and ``load_latest(state)`` to roll
+    back after non-finite gradients, see ``train.on_nonfinite``); ``"auto"`` uses
     ``hpctrain.checkpoint.CheckpointManager`` when that package is installed, ``None`` none.
     ``callbacks``: objects with any of ``on_step(state, metrics, phase_times)``,
-    ``on_eval(state, metrics)``, ``on_checkpoint(state, path, seconds)``, ``on_end(state)``.
+    ``on_eval(state, metrics)``, ``on_checkpoint(state, path, seconds)``,
+    ``on_nonfinite(state, event)``, ``on_end(state)``.
     ``stop_requested``: a callable; when it returns True on any rank, every rank saves
     (``requested=True``) and stops.
 
@@ -328,9 +330,10 @@ class Trainer:
         run.skips += 1
         rollbacks = progress.extra.get(ROLLBACKS, 0)
         policy = t.on_nonfinite
+        can_roll_back = hasattr(run.checkpoints, "load_latest")
         if policy in ("auto", "skip") and run.skips <= t.max_nonfinite_skips:
             action = "skip"
-        elif policy in ("auto", "rollback") and run.checkpoints is not None and rollbacks < t.max_rollbacks:
+        elif policy in ("auto", "rollback") and can_roll_back and rollbacks < t.max_rollbacks:
             action = "rollback"
         else:
             action = "stop"
@@ -351,9 +354,9 @@ class Trainer:
                 return ROLLED_BACK
             action = event["action"] = "stop"
             event["why"] = "no checkpoint of this run to roll back to"
-        elif action == "stop" and policy in ("auto", "rollback") and run.checkpoints is None \
+        elif action == "stop" and policy in ("auto", "rollback") and not can_roll_back \
                 and rollbacks < t.max_rollbacks and (policy == "rollback" or run.skips > t.max_nonfinite_skips):
-            event["why"] = "no checkpoints to roll back to (the trainer was given checkpoints=None)"
+            event["why"] = "no checkpoints to roll back to (the trainer's checkpoints have no load_latest)"
         if action == "skip":
             self._tell_nonfinite(run, event)
             return None
@@ -448,9 +451,10 @@ ROLLBACKS, LR_FACTOR = "nonfinite_rollbacks", "lr_factor"
 
 
 def _grads_finite(optimizer):
-    """True if every gradient is finite: one fused norm per device, one sync (which the
-    step's ``float(loss)`` already pays for). A sum of squares that overflows counts as
-    non-finite too: such a step is blowing up anyway."""
+    """True if every gradient is finite: one fused pass (``_foreach_norm``) and one host sync,
+    right after the all-reduce wait. The same verdict on every rank: they hold the same
+    averaged gradients. A sum of squares that overflows counts as non-finite too: such a
+    step is blowing up anyway."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
