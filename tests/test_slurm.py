@@ -132,10 +132,11 @@ HOLD = textwrap.dedent("""
     from hpctrain.job import runlock
     from hpctrain.errors import HpctrainError
     try:
-        with runlock.hold(sys.argv[1]):
-            print("holding", flush=True)
-            open(sys.argv[1] + "/owner", "w").write(sys.argv[2])
-            time.sleep(float(sys.argv[3]))
+        runlock.acquire(sys.argv[1])
+        print("holding", flush=True)
+        open(sys.argv[1] + "/owner", "w").write(sys.argv[2])
+        time.sleep(float(sys.argv[3]))
+        runlock.release(sys.argv[1])
     except HpctrainError as exc:
         print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
