@@ -27,7 +27,9 @@ Launcher variables describe the job, not hpctrain, and are read where they are i
   STEP_NUM_TASKS,STEP_NODELIST,JOB_NODELIST}`` and ``SLURMD_NODENAME`` (launcher, rank, size,
   node), and ``OMP_NUM_THREADS`` (torch threads per rank);
 * :mod:`hpctrain.job.preemption`: ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID`` and
-  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner).
+  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner);
+* :mod:`hpctrain.job.runlock`: ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a second live
+  step of a job is refused, a requeued job takes its lock over).
 """
 import os
 
