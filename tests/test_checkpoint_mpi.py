@@ -50,7 +50,7 @@ def test_file_is_plain_hdf5(saved):
             "f.visititems(lambda n, o: bad.append(n) if isinstance(o, h5py.Dataset) and "
             "zlib.crc32(o[()].tobytes()) != int(o.attrs['crc32']) else None)\n"
             "assert not bad, bad\n"
-            "assert f.attrs['format_version'] == 1 and f.attrs['nranks'] == 2 and f.attrs['io_mode'] == 'mpio'\n"
+            "assert f.attrs['format_version'] == 2 and f.attrs['nranks'] == 2 and f.attrs['io_mode'] == 'mpio'\n"
             "print('plain ok')\n")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
                          cwd="/")

@@ -1,5 +1,8 @@
 """Checkpoint safety under a real mpirun (hpctrain issue 12): roll back and branches,
-non-finite state refused, metadata checksum, failed `latest`, one-rank HDF5 errors."""
+non-finite state refused, a failed `latest` write, a one-rank HDF5 error, async overlap."""
+import os
+import time
+
 import pytest
 
 from assertions import ranks_say
@@ -15,3 +18,49 @@ def test_load_latest_skips_damaged_and_ignores_resume_setting(tmp_path):
     result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, "load_latest"], timeout=TIMEOUT).check()
     ranks_say(result, "load_latest OK loaded ckpt-00000001.h5", 2)
     assert "skipping checkpoint" in result.stderr
+
+
+SCENARIOS = ["nan_refused", "nan_in_foreign_file", "rollback", "latest_write_fails", "async_overlaps"]
+
+
+def test_scenarios(tmp_path, capsys):
+    result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, *SCENARIOS], timeout=TIMEOUT).check()
+    for name in SCENARIOS:
+        ranks_say(result, f"{name} OK", 2)
+    for name in ("nan_refused", "latest_write_fails"):
+        ranks_say(result, f"{name} ERROR: ", 2)
+    # a resumed run says so at the default level, on rank 0 only
+    said = [line for line in result.stdout.splitlines() if line.startswith("hpctrain: resumed from")]
+    assert f"hpctrain: resumed from {tmp_path}/rollback/ckpt-00000004.h5 at step 4 (epoch 0), written by 2 rank(s) " \
+           "(mpio)" in said
+    assert "moved to" in result.stderr and "abandoned" in result.stderr
+    # `hpctrain ckpt list` shows the abandoned branches, and a NaN file as such
+    from hpctrain.checkpoint.cli import main
+
+    capsys.readouterr()
+    assert main(["list", str(tmp_path / "rollback")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ABANDONED branch abandoned/") == 2 and "went on from step 4" in out
+    assert main(["list", str(tmp_path / "foreign")]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" in out and "/model/fc2.weight: non-finite values" in out
+
+
+def test_one_rank_hdf5_error_raises_everywhere_or_aborts(tmp_path):
+    """Rank 1 cannot extend the file (RLIMIT_FSIZE, a real EFBIG inside HDF5's writes):
+    every rank raises the same error, or the job aborts naming the file; never a hang."""
+    start = time.monotonic()
+    result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, "one_rank_cannot_extend"], timeout=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT - 20, "the job waited until the harness's timeout"
+    if result.returncode == 0:
+        ranks_say(result, "one_rank_cannot_extend ERROR: ", 2)
+        ranks_say(result, "one_rank_cannot_extend OK", 2)
+    else:
+        assert "did not finish in 10 s" in result.stderr and "aborting the job" in result.stderr, result.stderr[-3000:]
+        assert "MPI_ABORT was invoked" in result.stderr
+    d = tmp_path / "one_rank"
+    assert (d / "latest").read_text() == "ckpt-00000001.h5\n"
+    assert sorted(n for n in os.listdir(d) if n.endswith(".h5")) == ["ckpt-00000001.h5"]
+    from hpctrain.checkpoint import verify_checkpoint
+
+    assert not verify_checkpoint(str(d / "ckpt-00000001.h5"))

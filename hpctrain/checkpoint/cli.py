@@ -1,6 +1,6 @@
 """``hpctrain ckpt``: list, inspect, verify and export checkpoints, in one process (no MPI).
 
-    hpctrain ckpt list RUN_DIR_OR_CKPT_DIR      step, time, size, metrics, valid
+    hpctrain ckpt list RUN_DIR_OR_CKPT_DIR      step, time, size, metrics, valid; abandoned branches
     hpctrain ckpt inspect FILE                  metadata, trainer state, every dataset
     hpctrain ckpt verify FILE                   exit 1 and name the dataset on corruption
     hpctrain ckpt export FILE --to OUT.pt       a plain torch state dict (or .safetensors)
@@ -26,21 +26,9 @@ def _size(nbytes):
         nbytes /= 1024
 
 
-def cmd_list(args):
-    from .manager import read_latest, scan
+def _rows(directory, found, latest, quick):
     from .reader import read_header, verify_file
 
-    directory = _checkpoint_dir(args.directory)
-    if not os.path.isdir(directory):
-        print(f"hpctrain ckpt: {args.directory} is not a directory", file=sys.stderr)
-        return 2
-    found = scan(directory)
-    if not found:
-        print(f"no checkpoints in {directory}")
-        return 0
-    latest = read_latest(directory)
-    print(f"{directory}")
-    print(f"{'':2}{'step':>10}  {'created (UTC)':20}  {'size':>10}  {'valid':5}  metrics")
     for step, name in sorted(found):
         path = os.path.join(directory, name)
         created, metrics = "?", ""
@@ -50,13 +38,60 @@ def cmd_list(args):
             metrics = json.dumps(h.metrics, sort_keys=True) if h.metrics else ""
         except CheckpointError:
             pass
-        problems = [] if args.quick else verify_file(path)
-        valid = "?" if args.quick else ("yes" if not problems else "NO")
+        problems = [] if quick else verify_file(path)
+        if quick:
+            valid = "?"
+        elif not problems:
+            valid = "yes"
+        else:  # a diverged run's file is complete but worthless: say which
+            valid = "NaN" if all("non-finite" in p for p in problems) else "NO"
         mark = "* " if name == latest else "  "
         print(f"{mark}{step:>10}  {created:20}  {_size(os.path.getsize(path)):>10}  {valid:5}  {metrics}")
         for p in problems[:3]:
             print(f"{'':14}{p}")
+
+
+def _abandoned(directory):
+    """``[(folder, record or {}, [(step, name)])]`` of the abandoned branches, oldest first."""
+    from .manager import BRANCH_RECORD, scan
+
+    root = os.path.join(directory, fmt.ABANDONED)
+    out = []
+    for sub in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        folder = os.path.join(root, sub)
+        if not os.path.isdir(folder):
+            continue
+        try:
+            with open(os.path.join(folder, BRANCH_RECORD)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = {}
+        out.append((folder, record, scan(folder)))
+    return out
+
+
+def cmd_list(args):
+    from .manager import read_latest, scan
+
+    directory = _checkpoint_dir(args.directory)
+    if not os.path.isdir(directory):
+        print(f"hpctrain ckpt: {args.directory} is not a directory", file=sys.stderr)
+        return 2
+    found = scan(directory)
+    branches = _abandoned(directory)
+    if not found and not branches:
+        print(f"no checkpoints in {directory}")
+        return 0
+    latest = read_latest(directory)
+    print(f"{directory}")
+    print(f"{'':2}{'step':>10}  {'created (UTC)':20}  {'size':>10}  {'valid':5}  metrics")
+    _rows(directory, found, latest, args.quick)
     print("(* = latest)")
+    for folder, record, files in branches:
+        print(f"ABANDONED branch {os.path.relpath(folder, directory)}: the run went on from step "
+              f"{record.get('resumed_step', '?')} ({os.path.basename(str(record.get('resumed_from', '?')))}) "
+              f"on {record.get('abandoned', '?')}; never resumed automatically, never deleted by retention")
+        _rows(folder, files, None, args.quick)
     return 0
 
 

@@ -12,9 +12,11 @@ import zlib
 from ..errors import CheckpointError
 
 FORMAT_NAME = "hpctrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Versions this code can read. A newer writer bumps FORMAT_VERSION; old readers refuse it.
-READABLE_VERSIONS = (1,)
+# Version 2 added the metadata checksum (METADATA_CRC_ATTR), which a version-2 file must have;
+# version-1 files are still read, with a warning that their attributes are unchecked.
+READABLE_VERSIONS = (1, 2)
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -32,10 +34,20 @@ SPLIT_BYTES = 1 << 20
 
 CRC_ATTR = "crc32"
 DTYPE_ATTR = "dtype"
+# Root attribute: CRC-32 of metadata_text(), i.e. of every attribute and every dataset's
+# shape and stored dtype (format version 2).
+METADATA_CRC_ATTR = "metadata_crc32"
+
+# Where a run's abandoned branches are kept, inside the checkpoint directory.
+ABANDONED = "abandoned"
 
 
 class CheckpointCorrupt(CheckpointError):
     """The file is damaged or not a checkpoint this code can read (resume may fall back)."""
+
+
+class NonFiniteState(CheckpointError):
+    """The state to save holds NaN or infinite parameters or optimizer state (not written)."""
 
 
 # ---------------------------------------------------------------- names
@@ -147,6 +159,89 @@ def crc32_bytes(array):
 
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     return zlib.crc32(flat)
+
+
+# ---------------------------------------------------------------- the metadata checksum
+# Attributes are outside the per-dataset CRCs, yet resume reads them (step, learning rates,
+# optimizer state values). One CRC-32 covers them all: of a canonical JSON text of every
+# attribute of ``/``, of every group with attributes, and of every dataset (its attributes,
+# shape and stored dtype). Writer and reader build the text from the values, not the bytes
+# HDF5 stores, so any reader can recompute it (docs/checkpoint-format.md).
+
+def attr_value(value):
+    """An attribute value as plain Python (bytes -> str, numpy scalars and arrays -> Python)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    if hasattr(value, "tolist"):  # numpy scalar or array
+        return value.tolist()
+    return value
+
+
+def metadata_text(root_attrs, group_attrs, datasets):
+    """The canonical text the metadata checksum is taken of.
+
+    ``root_attrs``: ``{name: value}`` of ``/`` (``metadata_crc32`` itself is left out);
+    ``group_attrs``: ``{group path: {name: value}}`` (groups without attributes are left out);
+    ``datasets``: ``{dataset path: (shape, numpy dtype str such as "<f4", {name: value})}``.
+    """
+    def plain(attrs):
+        return {k: attr_value(v) for k, v in attrs.items()}
+
+    doc = {
+        "root": {k: attr_value(v) for k, v in root_attrs.items() if k != METADATA_CRC_ATTR},
+        "groups": {g: plain(a) for g, a in group_attrs.items() if a},
+        "datasets": {p: [list(shape), str(dtype), plain(a)] for p, (shape, dtype, a) in datasets.items()},
+    }
+    return json.dumps(doc, sort_keys=True, allow_nan=True, ensure_ascii=True, separators=(",", ":"))
+
+
+def metadata_crc(root_attrs, group_attrs, datasets):
+    return zlib.crc32(metadata_text(root_attrs, group_attrs, datasets).encode("ascii"))
+
+
+# ---------------------------------------------------------------- non-finite values
+# A checkpoint of a run that blew up is worthless and, kept by retention, pushes out the
+# good ones: parameters and optimizer state must be finite. Buffers may hold infinities
+# on purpose (a causal mask of -inf), so they are not checked.
+
+# For the dtypes stored as raw bits: (mask, value): the element is NaN or infinite when
+# ``bits & mask == value`` (all exponent bits set; the fnuz formats' only NaN is 0x80).
+_RAW_NONFINITE = {
+    "bfloat16": (0x7F80, 0x7F80),
+    "float8_e5m2": (0x7C, 0x7C),
+    "float8_e4m3fn": (0x7F, 0x7F),
+    "float8_e4m3fnuz": (0xFF, 0x80),
+    "float8_e5m2fnuz": (0xFF, 0x80),
+}
+
+
+def can_be_nonfinite(dtype_name):
+    """True for floating dtypes (torch dtype names as in the ``dtype`` attribute)."""
+    return dtype_name.startswith("float") or dtype_name in ("bfloat16", "half", "double")
+
+
+def all_finite(array, dtype_name):
+    """True if no element of ``array`` (as stored, see :func:`storage_dtype`) is NaN or
+    infinite. Integer and bool dtypes are always finite."""
+    import numpy as np
+
+    if array.size == 0 or not can_be_nonfinite(dtype_name):
+        return True
+    raw = _RAW_NONFINITE.get(dtype_name)
+    if raw is None:
+        return bool(np.isfinite(array).all())
+    mask, value = raw
+    return not bool(((array & array.dtype.type(mask)) == value).any())
+
+
+def finite_paths(header_groups, dataset_paths):
+    """Dataset paths of a file that must be finite: the model's parameters (the names the
+    optimizer's ``param_groups`` list) and every optimizer state tensor. Buffers are not
+    in ``param_groups``; files without an optimizer have only their state checked."""
+    groups = from_json(header_groups.get(OPTIMIZER, {}).get("param_groups", "[]"), "/optimizer param_groups")
+    params = {f"{MODEL}/{param_key(n)}" for g in groups if isinstance(g, dict)
+              for n in g.get("params", []) if isinstance(n, str)}
+    return {p for p in dataset_paths if p in params or p.startswith(OPT_STATE + "/")}
 
 
 # ---------------------------------------------------------------- sharing out the work

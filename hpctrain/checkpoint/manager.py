@@ -29,6 +29,8 @@ from . import reader, snapshot, writer
 
 log = logging.getLogger("hpctrain.checkpoint")
 
+BRANCH_RECORD = "branch.json"  # in each abandoned/<branch>/ folder: when, and from where the run went on
+
 
 # ---------------------------------------------------------------- files (rank 0 only)
 
@@ -286,20 +288,23 @@ class CheckpointManager:
                 fsutil.remove_quietly(os.path.join(self.directory, name))
 
     def _candidates(self):
-        names = [n for _, n in scan(self.directory)]
+        """Checkpoints of the current branch, newest first. ``latest`` is not trusted over
+        the directory: a save whose ``latest`` update failed left a newer complete file, and
+        every file here belongs to the current branch (abandoned ones were moved aside)."""
+        found = scan(self.directory)
         latest = read_latest(self.directory)
-        if latest is not None and latest not in names:
-            log.warning("%s names %s, which does not exist; looking at the other checkpoints",
-                        os.path.join(self.directory, fmt.LATEST), latest)
-            latest = None
-        ordered = ([latest] if latest else []) + [n for n in names if n != latest]
-        return [os.path.join(self.directory, n) for n in ordered]
+        if latest is not None and found and latest != found[0][1]:
+            log.warning("%s names %s, but %s is newer (a save whose `latest` update failed, or `latest` was "
+                        "edited); resuming from the newest valid checkpoint",
+                        os.path.join(self.directory, fmt.LATEST), latest, found[0][1])
+        return [os.path.join(self.directory, n) for _, n in found]
 
     def resume(self, state):
         """Load the checkpoint ``cfg.resume`` names into ``state``; True if one was loaded.
 
-        ``"auto"``: the one ``latest`` names, else the newest; one that fails verification
-        is skipped with a warning naming the problem. ``"none"``: start fresh. A path: that
+        ``"auto"``: the newest checkpoint of the directory (abandoned branches are not in it);
+        one that fails verification is skipped with a warning naming the problem, and moved to
+        ``abandoned/`` with any other newer one. ``"none"``: start fresh. A path: that
         file, no fallback.
         """
         on_root(self._remove_stale_temps, self.comm)
@@ -307,8 +312,9 @@ class CheckpointManager:
         if mode == "none":
             return False
         if mode != "auto":
-            load_checkpoint(os.path.abspath(mode), state, self.comm)
-            self._loaded(state)
+            path = os.path.abspath(mode)
+            h = load_checkpoint(path, state, self.comm)
+            self._loaded(state, path, h)
             return True
         return self._load_newest(state) is not None
 
@@ -328,7 +334,7 @@ class CheckpointManager:
         problems = []
         for path in candidates:
             try:
-                load_checkpoint(path, state, self.comm)
+                h = load_checkpoint(path, state, self.comm)
             except fmt.CheckpointCorrupt as exc:
                 reason = str(exc).split("\nHINT:")[0]
                 problems.append(reason)
@@ -337,7 +343,7 @@ class CheckpointManager:
                 continue
             if problems and self.world.is_root:
                 log.warning("resumed from %s, an older checkpoint, because newer ones are damaged", path)
-            self._loaded(state)
+            self._loaded(state, path, h)
             return path
         if problems:
             raise everywhere(CheckpointError(
@@ -345,11 +351,45 @@ class CheckpointManager:
                 hint="start fresh with checkpoint.resume=none, or name a file with checkpoint.resume=PATH"))
         return None
 
-    def _loaded(self, state):
+    def _loaded(self, state, path, header):
         self._last_step = state.progress.step
         self._last_time = time.monotonic()
+        on_root(lambda: self._start_branch(path, state.progress.step), self.comm)
         if self.world.is_root:
-            log.info("resumed from step %d", state.progress.step)
+            a = header.root_attrs
+            print(f"hpctrain: resumed from {path} at step {state.progress.step} (epoch {state.progress.epoch}), "
+                  f"written by {a.get('nranks', '?')} rank(s) ({a.get('io_mode', '?')})", flush=True)
+
+    def _start_branch(self, path, step):
+        """Rank 0, after loading ``path`` (step ``step``): the run continues from there, so
+        checkpoints of this directory at ``step`` or later (other than ``path``) belong to
+        an abandoned branch. They are moved to ``abandoned/<time>-from-<step>/`` with a
+        ``branch.json`` record: never resumed automatically, never deleted by retention.
+        ``latest`` names ``path`` first, so a crash half-way is repeated by the next resume."""
+        same_dir = os.path.dirname(path) == self.directory
+        name = os.path.basename(path)
+        newer = [(s, n) for s, n in scan(self.directory) if s >= step and not (same_dir and n == name)]
+        current = read_latest(self.directory)
+        if same_dir and current != name:
+            write_latest(self.directory, name)
+        if not newer:
+            return
+        if not same_dir and current is not None:
+            fsutil.remove_quietly(os.path.join(self.directory, fmt.LATEST))
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = os.path.join(self.directory, fmt.ABANDONED, f"{stamp}-from-{step:08d}")
+        os.makedirs(dest, exist_ok=True)
+        for _, n in newer:
+            os.replace(os.path.join(self.directory, n), os.path.join(dest, n))
+        fsutil.fsync_path(dest, directory=True)
+        fsutil.fsync_path(os.path.dirname(dest), directory=True)
+        fsutil.fsync_path(self.directory, directory=True)
+        fsutil.write_text(os.path.join(dest, BRANCH_RECORD), fmt.to_json({
+            "abandoned": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "resumed_from": path,
+            "resumed_step": step, "files": [n for _, n in sorted(newer)]}) + "\n")
+        log.warning("the run continues from step %d (%s): %d newer checkpoint(s) of the abandoned branch "
+                    "(steps %s) moved to %s; resume=auto never takes them and retention never deletes them",
+                    step, name, len(newer), ", ".join(str(s) for s, _ in sorted(newer)), dest)
 
     # -- saving
 
@@ -378,6 +418,9 @@ class CheckpointManager:
         plan = _plan(state, info, self.comm, self.parallel, copy=background,
                      buffers=self._host_buffers if background else None)
         if background:
+            # Refuse a diverged state here, not at the next wait(): each rank checks the
+            # rows it will write, in its fresh (cache-warm) private copy.
+            writer.check_finite(plan, self.comm, info["tmp"])
             self._last_step = step
             if self._bg_comm is None:
                 self._bg_comm = self.comm.Dup()  # the writer's collectives never meet training's
@@ -417,12 +460,17 @@ class CheckpointManager:
         final = commit(info)
         name = os.path.basename(final)
         self._metric_cache[name] = metric
+        previous = read_latest(self.directory)
         try:
             write_latest(self.directory, name)
         except OSError as exc:
-            raise CheckpointError(f"{final} was written, but {fmt.LATEST} could not be updated: {exc}",
-                                  hint="`latest` still names the previous checkpoint; resume=auto will "
-                                       "still find the new one by scanning") from exc
+            raise CheckpointError(
+                f"{final} was written and verified, but {os.path.join(self.directory, fmt.LATEST)} could not be "
+                f"updated ({exc}): it still names {previous or 'no checkpoint'}; old checkpoints were not "
+                f"removed. resume=auto takes the newest valid checkpoint in the directory, {name}; tools that "
+                f"read `latest` see {previous or 'none'}",
+                hint=f"fix the cause (space, permissions) in {self.directory}; the next successful save moves "
+                     f"`latest`") from exc
         try:
             self._retain()
         except OSError as exc:  # the new checkpoint is safe; old ones stay a while longer

@@ -92,6 +92,7 @@ def read_header(path):
         except Exception as exc:
             raise fmt.CheckpointCorrupt(f"{path}: cannot read its structure ({type(exc).__name__}: {exc})",
                                         hint="the file is damaged; use an earlier checkpoint") from exc
+    _check_metadata(path, root, groups, datasets)
     for required in (fmt.MODEL, fmt.OPTIMIZER, fmt.TRAINER):
         if required not in groups:
             raise fmt.CheckpointCorrupt(f"{path}: group /{required} is missing")
@@ -109,6 +110,29 @@ def read_header(path):
             f"{path}: holds {len(datasets)} datasets but was written with {root.get('ndatasets')}"
             + (f" (not written by hpctrain: {', '.join('/' + p for p in extra[:20])})" if extra else ""))
     return Header(path, root, groups, datasets)
+
+
+_WARNED_V1 = set()
+
+
+def _check_metadata(path, root, groups, datasets):
+    """Version 2: the metadata checksum must be there and match. Version 1 had none: warn once."""
+    if root.get("format_version") == 1:
+        if path not in _WARNED_V1:
+            _WARNED_V1.add(path)
+            log.warning("%s is a version-1 checkpoint: its data is checksummed, but its attributes (step, "
+                        "learning rates, optimizer settings) are not; a save with this hpctrain adds that", path)
+        return
+    stored = root.get(fmt.METADATA_CRC_ATTR)
+    if not isinstance(stored, int):
+        raise fmt.CheckpointCorrupt(f"{path}: the metadata checksum (attribute {fmt.METADATA_CRC_ATTR} of /) is "
+                                    f"missing", hint="the file is damaged or was edited; use an earlier checkpoint")
+    found = fmt.metadata_crc(root, groups, datasets)
+    if found != stored:
+        raise fmt.CheckpointCorrupt(
+            f"{path}: metadata checksum mismatch (stored {fmt.METADATA_CRC_ATTR} {stored:08x}, attributes and "
+            f"dataset shapes give {found:08x}): an attribute, a dataset's shape or type was changed",
+            hint="the file was damaged after it was written; use an earlier checkpoint")
 
 
 def _flat(array):
@@ -156,8 +180,9 @@ def exchange(arrays, plan, comm):
                 bcast_bytes(flat[start * rb:stop * rb], r, comm)
 
 
-def _read_pieces(f, paths, arrays, plan, rank):
-    """Read this rank's pieces into ``arrays``; return their checksums (and errors)."""
+def _read_pieces(f, paths, arrays, plan, rank, finite=(), dtypes=None):
+    """Read this rank's pieces into ``arrays``; return their checksums (and errors). A piece
+    of a dataset in ``finite`` that holds NaN or infinity is an error."""
     out, errors = [], []
     for i, (path, array, pieces) in enumerate(zip(paths, arrays, plan)):
         rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
@@ -176,6 +201,9 @@ def _read_pieces(f, paths, arrays, plan, rank):
                     dset.read_direct(array, np.s_[start:stop], np.s_[start:stop])
                     part = array[start:stop]
                 out.append((i, start * rb, part.nbytes, fmt.crc32_bytes(part)))
+                if path in finite and not fmt.all_finite(part, dtypes[path]):
+                    errors.append(f"/{path} holds NaN or infinite values (a parameter or optimizer state "
+                                  f"of a run that had diverged)")
             except Exception as exc:
                 errors.append(f"reading /{path}: {type(exc).__name__}: {exc}")
     return out, errors
@@ -210,7 +238,9 @@ def read_arrays(header, comm, parallel, keep=None, verify=True):
     if parallel or rank == 0:
         try:
             f = open_for_read(header.path, comm, parallel)
-            sums, errors = _read_pieces(f, paths, arrays, plan, rank)
+            finite = fmt.finite_paths(header.group_attrs, paths) if verify else set()
+            dtypes = {p: header.datasets[p][2][fmt.DTYPE_ATTR] for p in paths}
+            sums, errors = _read_pieces(f, paths, arrays, plan, rank, finite, dtypes)
         except Exception as exc:
             errors.append(f"opening: {type(exc).__name__}: {exc}")
         finally:
@@ -245,13 +275,16 @@ def close_recording(f, errors):
             errors.append(f"closing: {type(exc).__name__}: {exc}")
 
 
-def _crc_rows(dset, start, stop, shape, dtype, scratch):
-    """CRC-32 of rows [start, stop) of ``dset``, read a block at a time into ``scratch``."""
+def _crc_rows(dset, start, stop, shape, dtype, scratch, finite=None):
+    """``(crc, nbytes, all finite)`` of rows [start, stop) of ``dset``, read a block at a time
+    into ``scratch``. ``finite``: the torch dtype name to check the values for NaN and
+    infinity with (None: not checked, reported as finite)."""
     if len(shape) == 0:
-        return fmt.crc32_bytes(dset[()]), dtype.itemsize
+        value = np.asarray(dset[()])
+        return fmt.crc32_bytes(value), dtype.itemsize, finite is None or fmt.all_finite(value, finite)
     rb = fmt.row_bytes(shape, dtype.itemsize)
     block = max(1, scratch.nbytes // max(1, rb))
-    crc, total = 0, 0
+    crc, total, ok = 0, 0, True
     for a in range(start, stop, block):
         b = min(stop, a + block)
         n = (b - a) * rb
@@ -260,8 +293,10 @@ def _crc_rows(dset, start, stop, shape, dtype, scratch):
         part = scratch[:n].view(dtype).reshape((b - a,) + tuple(shape[1:]))
         dset.read_direct(part, np.s_[a:b])
         crc = fmt.crc32_combine(crc, fmt.crc32_bytes(part), n)
+        if finite is not None and ok:
+            ok = fmt.all_finite(part, finite)
         total += n
-    return crc, total
+    return crc, total, ok
 
 
 def verify_written(path, expected, comm, parallel):
@@ -281,7 +316,7 @@ def verify_written(path, expected, comm, parallel):
                 rb = fmt.row_bytes(shape, dtype.itemsize)
                 for r, start, stop in pieces:
                     if r == rank:
-                        crc, nbytes = _crc_rows(f[p], start, stop, shape, dtype, scratch)
+                        crc, nbytes, _ = _crc_rows(f[p], start, stop, shape, dtype, scratch)
                         sums.append((i, start * rb, nbytes, crc))
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
@@ -303,17 +338,22 @@ def verify_file(path):
     problems = []
     try:
         scratch = _scratch([(shape, np.dtype(dtype)) for shape, dtype, _ in header.datasets.values()])
+        finite = fmt.finite_paths(header.group_attrs, header.datasets)
         with h5py.File(path, "r") as f:
             for name, (shape, dtype, attrs) in sorted(header.datasets.items()):
+                check = attrs[fmt.DTYPE_ATTR] if name in finite else None
                 try:
                     dset = f[name]
-                    crc, _ = _crc_rows(dset, 0, shape[0] if shape else 1, shape, np.dtype(dtype), scratch)
+                    crc, _, ok = _crc_rows(dset, 0, shape[0] if shape else 1, shape, np.dtype(dtype), scratch,
+                                           check)
                 except Exception as exc:
                     problems.append(f"/{name}: cannot be read ({type(exc).__name__}: {exc})")
                     continue
                 if crc != int(attrs[fmt.CRC_ATTR]):
                     problems.append(f"/{name}: checksum mismatch (stored crc32 {int(attrs[fmt.CRC_ATTR]):08x}, "
                                     f"data has {crc:08x})")
+                elif not ok:
+                    problems.append(f"/{name}: non-finite values (NaN or Inf) in a parameter or optimizer state")
     except Exception as exc:
         problems.append(f"{path}: {type(exc).__name__}: {exc}")
     return problems

@@ -28,6 +28,7 @@ class Entry:
     path: str
     array: np.ndarray
     attrs: Dict[str, Any] = field(default_factory=dict)
+    finite: bool = False  # a parameter or optimizer state: NaN or infinity refuses the save
 
 
 @dataclass
@@ -256,15 +257,16 @@ def take_snapshot(state, root_info, copy, buffers=None):
     if buffers is not None:
         buffers.clear()
 
-    def entry(path, tensor):
+    def entry(path, tensor, finite):
         array, dtype = _private(path, tensor, copy, old)
         if buffers is not None and copy:
             buffers[path] = array
-        return Entry(path, array, {fmt.DTYPE_ATTR: dtype})
+        return Entry(path, array, {fmt.DTYPE_ATTR: dtype}, finite=finite)
 
     description, opt_tensors = optimizer_parts(state.model, state.optimizer)
-    entries = [entry(model_path(name), t) for name, t in state.model.state_dict().items()]
-    entries += [entry(optimizer_state_path(pname, key), t) for pname, key, t in opt_tensors]
+    params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}
+    entries = [entry(model_path(name), t, name in params) for name, t in state.model.state_dict().items()]
+    entries += [entry(optimizer_state_path(pname, key), t, True) for pname, key, t in opt_tensors]
     entries += rng_entries(root_info["rng"])
     groups = optimizer_attrs(description)
     groups.update(progress_attrs(state.progress, root_info["rng"], getattr(state, "scaler", None)))

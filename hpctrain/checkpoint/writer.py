@@ -12,16 +12,20 @@ and to enter every collective write. So a rank that fails keeps going through th
 remaining calls with an empty share, and the ranks agree on the errors at fixed points:
 one rank's failure becomes the same :class:`CheckpointError` on all, never a hang.
 """
+import contextlib
 import errno
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import zlib
+
 import numpy as np
 
-from ..coordination import any_rank, on_root, raise_if_any
+from ..coordination import any_rank, everywhere, on_root, raise_if_any
 from ..errors import CheckpointError
 from . import format as fmt
 
@@ -50,6 +54,7 @@ class DatasetPlan:
     attrs: Dict[str, Any]
     pieces: List[Tuple[int, tuple]]
     mine: Optional[np.ndarray] = None
+    finite: bool = False  # must hold no NaN or infinity (parameters, optimizer state)
 
     @property
     def nbytes(self):
@@ -66,6 +71,7 @@ class Plan:
     datasets: List[DatasetPlan]
     root_attrs: Dict[str, Any]
     group_attrs: Dict[str, Dict[str, Any]]  # group path -> attributes
+    finite_checked: bool = False  # check_finite already ran (a background save checks first)
 
     @property
     def nbytes(self):
@@ -81,7 +87,8 @@ def plan_snapshot(snap, nwriters, rank):
     for entry, array, pieces in zip(snap.entries, arrays, rows):
         mine = next((array[a:b] if array.ndim else array for r, a, b in pieces if r == rank), None)
         datasets.append(DatasetPlan(entry.path, array.shape, array.dtype, entry.attrs,
-                                    [(r, fmt.rows(array.shape, a, b)) for r, a, b in pieces], mine))
+                                    [(r, fmt.rows(array.shape, a, b)) for r, a, b in pieces], mine,
+                                    finite=entry.finite))
     return Plan(datasets, snap.root_attrs, snap.group_attrs)
 
 
@@ -91,20 +98,68 @@ def h5py_parallel():
     return bool(h5py.get_config().mpi)
 
 
-def own_checksums(datasets, rank):
-    """``[(dataset index, byte offset, nbytes, crc)]`` of this rank's pieces: one per
-    contiguous run of bytes its region covers in the dataset."""
-    out = []
+# Bytes checksummed (and checked for NaN) at a time: small enough to stay in cache between
+# the two, a multiple of every itemsize.
+SCAN_BYTES = 1 << 20
+
+
+def own_checksums(datasets, rank, crc=True, finite=True):
+    """``([(dataset index, byte offset, nbytes, crc)], [indices of non-finite datasets])`` of
+    this rank's pieces: one checksum per contiguous run of bytes its region covers, and, for
+    datasets marked ``finite``, whether its piece holds a NaN or infinity. One pass over the
+    bytes does both (``crc`` / ``finite`` False: leave that part out)."""
+    out, bad = [], []
     for i, d in enumerate(datasets):
         region = d.region_of(rank)
         if region is None:
             continue
         flat = np.ascontiguousarray(d.mine).reshape(-1).view(np.uint8)
-        pos = 0
+        check = finite and d.finite and fmt.can_be_nonfinite(d.attrs.get(fmt.DTYPE_ATTR, ""))
+        ok, pos = True, 0
         for offset, nbytes in fmt.runs(d.shape, region, d.dtype.itemsize):
-            out.append((i, offset, nbytes, fmt.crc32_bytes(flat[pos:pos + nbytes])))
+            c = 0
+            for a in range(pos, pos + nbytes, SCAN_BYTES):
+                chunk = flat[a:min(pos + nbytes, a + SCAN_BYTES)]
+                if crc:
+                    c = zlib.crc32(chunk, c)
+                if check and ok:
+                    ok = fmt.all_finite(chunk.view(d.dtype), d.attrs[fmt.DTYPE_ATTR])
+            if crc:
+                out.append((i, offset, nbytes, c))
             pos += nbytes
-    return out
+        if not ok:
+            bad.append(i)
+    return out, bad
+
+
+def refuse_nonfinite(datasets, gathered_bad, path):
+    """Raise :class:`~.format.NonFiniteState` (the same on every rank: ``gathered_bad`` is
+    every rank's list of non-finite dataset indices) naming the tensors, if there are any."""
+    bad = sorted({i for rank_bad in gathered_bad for i in rank_bad})
+    if not bad:
+        return
+    names = [f"/{datasets[i].path}" for i in bad]
+    raise everywhere(fmt.NonFiniteState(
+        f"refusing to write {os.path.basename(_final_name(path))}: NaN or infinite values in {len(bad)} "
+        f"tensor(s) that must be finite: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}; "
+        f"nothing was written, the previous checkpoints and `latest` are untouched",
+        hint="the run has diverged: roll back to the last good checkpoint (CheckpointManager.load_latest, "
+             "or restart with checkpoint.resume=auto) and lower the learning rate or clip gradients"))
+
+
+def _final_name(path):
+    """The checkpoint's name from its temp file's name."""
+    from ..fsutil import TMP_MARK
+
+    return path.split(TMP_MARK)[0]
+
+
+def check_finite(plan, comm, path):
+    """Collective: refuse (the same error on every rank) if a dataset marked ``finite`` holds
+    NaN or infinity. Every rank checks only the rows it will write."""
+    _, bad = own_checksums(plan.datasets, comm.Get_rank(), crc=False)
+    refuse_nonfinite(plan.datasets, comm.allgather(bad), path)
+    plan.finite_checked = True
 
 
 def combine_checksums(gathered, ndatasets):
@@ -136,23 +191,28 @@ def _hint(problems):
 
 
 def create_layout(f, plan, checksums):
+    """Every group, dataset and attribute of ``plan``, and last the metadata checksum over
+    all of them (:func:`format.metadata_crc`), computed from the values written."""
+    groups = {}
     for gpath in sorted(plan.group_attrs):
         group = f.require_group(gpath)
         for key, value in sorted(plan.group_attrs[gpath].items()):
             group.attrs[key] = value
-    dsets = []
+        groups[gpath] = dict(plan.group_attrs[gpath])
+    dsets, described = [], {}
     for d, crc in zip(plan.datasets, checksums):
         # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
         dset = f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never")
-        dset.attrs[fmt.CRC_ATTR] = np.uint32(crc)
-        for key, value in sorted(d.attrs.items()):
+        attrs = dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)})
+        for key, value in sorted(attrs.items()):
             dset.attrs[key] = value
+        described[d.path] = (d.shape, np.dtype(d.dtype).str, attrs)
         dsets.append(dset)
-    for key, value in sorted(plan.root_attrs.items()):
-        f.attrs[key] = value
-    f.attrs["ndatasets"] = len(plan.datasets)
     # Every dataset's path, so that a reader can name one that went missing.
-    f.attrs["datasets"] = fmt.to_json([d.path for d in plan.datasets])
+    root = dict(plan.root_attrs, ndatasets=len(plan.datasets), datasets=fmt.to_json([d.path for d in plan.datasets]))
+    for key, value in sorted(root.items()):
+        f.attrs[key] = value
+    f.attrs[fmt.METADATA_CRC_ATTR] = np.uint32(fmt.metadata_crc(root, groups, described))
     return dsets
 
 
@@ -209,6 +269,40 @@ def _write_alone(dset, d, region, call_bytes):
         dset[fmt.slices(where)] = d.mine[local]
 
 
+# Seconds that HDF5's collective metadata write (flush, close) may take before the job is
+# aborted. When one rank's write fails inside it (a file-size limit, a full disk, an I/O
+# error on one node), the other ranks wait in MPI for ever and no exception reaches them;
+# an abort that names the file is the only way out that does not hang.
+COLLECTIVE_TIMEOUT = 600.0
+
+
+@contextlib.contextmanager
+def or_abort(what, path, rank, errors=()):
+    """Abort the job if the block has not finished in ``COLLECTIVE_TIMEOUT`` seconds;
+    ``errors``: what already failed on this rank, said first."""
+    def fire():
+        import socket
+
+        from mpi4py import MPI
+
+        from ..coordination import abort_job
+
+        os.write(2, (f"hpctrain: error: rank {rank} on {socket.gethostname()}: {what} {path} did not finish in "
+                     f"{COLLECTIVE_TIMEOUT:.0f} s{' after ' + '; '.join(errors) if errors else ''}: a rank's write failed inside HDF5's collective call (see the "
+                     f"MPI-IO messages above) and the other ranks would wait for ever; aborting the job. "
+                     f"The previous checkpoint and `latest` are untouched.\nHINT: check space, quotas and "
+                     f"file-size limits (ulimit -f) of {os.path.dirname(path)} on every node\n").encode())
+        abort_job(MPI.COMM_WORLD)
+
+    timer = threading.Timer(COLLECTIVE_TIMEOUT, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
     """All ranks write ``plan`` into a new file ``path`` (collective); returns the checksums.
 
@@ -220,8 +314,11 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
 
     rank = comm.Get_rank()
     datasets = plan.datasets
-    # Checksums first: parallel HDF5 wants attribute values identical on every rank.
-    checksums = combine_checksums(comm.allgather(own_checksums(datasets, rank)), len(datasets))
+    # Checksums first: parallel HDF5 wants attribute values identical on every rank. The
+    # same pass refuses NaN parameters, before the file exists.
+    gathered = comm.allgather(own_checksums(datasets, rank, finite=not plan.finite_checked))
+    refuse_nonfinite(datasets, [bad for _, bad in gathered], path)
+    checksums = combine_checksums([sums for sums, _ in gathered], len(datasets))
 
     errors, f = [], None
     try:
@@ -275,13 +372,15 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
         comm.Barrier()
         if not failed:
             try:
-                f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
+                with or_abort("flushing", path, rank):
+                    f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
             except Exception as exc:
                 errors.append(f"flushing: {_describe(exc)}")
     finally:
         if f is not None:
             try:
-                f.close()
+                with or_abort("closing", path, rank, list(errors)):
+                    f.close()
             except Exception as exc:
                 errors.append(f"closing: {_describe(exc)}")
                 _UNCLOSABLE.append(f)  # never let HDF5 free it again (see above)
@@ -308,7 +407,9 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
     (POSIX) driver; returns the checksums."""
     import h5py
 
-    checksums = combine_checksums([own_checksums(plan.datasets, 0)], len(plan.datasets))
+    sums, bad = own_checksums(plan.datasets, 0, finite=not plan.finite_checked)
+    refuse_nonfinite(plan.datasets, [bad], path)
+    checksums = combine_checksums([sums], len(plan.datasets))
     try:
         with h5py.File(path, "w", libver=LIBVER) as f:
             for d, dset in zip(plan.datasets, create_layout(f, plan, checksums)):
