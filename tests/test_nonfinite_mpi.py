@@ -3,6 +3,7 @@
 takes the same action: skip the update, roll back to the newest checkpoint, or stop naming the
 step and the tensor. ``metrics.jsonl`` holds the event and stays valid JSON."""
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint.format import checkpoint_name
-from mpi_harness import mpirun
+from mpi_harness import hpctrain, mpirun
 
 pytestmark = pytest.mark.mpi
 
@@ -127,3 +128,17 @@ def test_default_skips_a_few_steps_then_rolls_back_then_stops_when_rollbacks_run
     assert result.returncode == 5, result.output[-4000:]
     assert [(e["step"], e["action"]) for e in events(info)] == [(5, "skip"), (6, "stop")]
     assert "2 consecutive non-finite steps and 0 rollbacks (train.max_rollbacks = 0)" in result.stdout
+
+
+def test_hpctrain_train_blown_up_by_a_huge_learning_rate_exits_5_naming_step_and_tensor(tmp_path):
+    result = hpctrain(2, "train", "examples/digits.toml", f"data.path={tmp_path}/digits.h5",
+                      f"run.root={tmp_path}/runs", "train.lr=1e12", "train.on_nonfinite=stop", "train.max_steps=20",
+                      "comm.backend=mpi", "monitor.progress=log", timeout=120)
+    assert result.returncode == 5, result.output[-4000:]
+    said = re.search(r"hpctrain: error: training stopped at step (\d+): the averaged gradients are not finite; "
+                     r"first non-finite gradient: \S+weight \((NaN|inf)\)", result.output)
+    assert said, result.output[-4000:]
+    assert "HINT: lower train.lr" in result.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (event,) = [r for r in strict_records(run_dir) if r["kind"] == "nonfinite"]
+    assert (event["step"], event["action"]) == (int(said.group(1)), "stop")

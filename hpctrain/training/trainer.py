@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ..config import TrainConfig, load_config, validate
-from ..coordination import all_or_none, any_rank, on_root
+from ..coordination import all_or_none, any_rank, everywhere, on_root
 from ..errors import ConfigError, HpctrainError
 from ..job import rundir, runlock
 from ..job.watchdog import Watchdog, watching
@@ -361,8 +361,8 @@ class Trainer:
             self._tell_nonfinite(run, event)
             return None
         self._tell_nonfinite(run, event)
-        raise NonFiniteError(_stop_message(step, tensor, run, event),
-                             hint=_stop_hint(run.checkpoints))
+        # Every rank reached the same verdict on the same gradients: all raise it alike.
+        raise everywhere(NonFiniteError(_stop_message(step, tensor, run, event), hint=_stop_hint(run.checkpoints)))
 
     def _tell_nonfinite(self, run, event):
         with watching(f"callbacks (non-finite step {event['step']})"):
@@ -490,9 +490,9 @@ def _stop_message(step, tensor, run, event):
 
 def _stop_hint(checkpoints):
     newest = getattr(checkpoints, "last_path", None)
-    where = f"; the newest checkpoint {newest} holds the last good state" if newest else ""
-    return ("lower train.lr, add train.warmup_steps, or look for NaN/inf in the data" + where +
-            " (a new job resumes from it with checkpoint.resume=auto)")
+    where = (f"; the newest checkpoint {newest} holds the last good state (a new job resumes from it "
+             f"with checkpoint.resume=auto)" if newest else "")
+    return "lower train.lr, add train.warmup_steps, or look for NaN/inf in the data" + where
 
 
 def _set_lr(optimizer, base_lr, warmup_steps, step):
