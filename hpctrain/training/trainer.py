@@ -357,10 +357,9 @@ class Trainer:
         elif action == "stop" and policy in ("auto", "rollback") and not can_roll_back \
                 and rollbacks < t.max_rollbacks and (policy == "rollback" or run.skips > t.max_nonfinite_skips):
             event["why"] = "no checkpoints to roll back to (the trainer's checkpoints have no load_latest)"
-        if action == "skip":
-            self._tell_nonfinite(run, event)
-            return None
         self._tell_nonfinite(run, event)
+        if action == "skip":
+            return None
         # Every rank reached the same verdict on the same gradients: all raise it alike.
         raise everywhere(NonFiniteError(_stop_message(step, tensor, run, event), hint=_stop_hint(run.checkpoints)))
 
