@@ -323,6 +323,19 @@ def async_overlaps():
     say("async_overlaps", "OK save() returned before the writer started")
 
 
+def for_flips():
+    """One checkpoint written by every rank, with non-default progress, for the bit-flip test."""
+    d = fresh_dir("flips")
+    state = cc.make_state(seed=5)
+    mgr = CheckpointManager(d, W, cc.config(), {"model": "Mixed"})
+    cc.step_once(state, 0)
+    cc.step_once(state, 1)
+    p = state.progress
+    p.epoch, p.samples_in_epoch, p.best_metric, p.extra = 3, 96, 0.25, {"phase": "warmup", "n": 7}
+    mgr.save(state, metrics={"val_loss": 0.25})
+    say("for_flips", "OK saved")
+
+
 def main(argv):
     global W
     OPTS["dir"] = argv[0]
