@@ -92,7 +92,6 @@ def read_header(path):
         except Exception as exc:
             raise fmt.CheckpointCorrupt(f"{path}: cannot read its structure ({type(exc).__name__}: {exc})",
                                         hint="the file is damaged; use an earlier checkpoint") from exc
-    _check_metadata(path, root, groups, datasets)
     for required in (fmt.MODEL, fmt.OPTIMIZER, fmt.TRAINER):
         if required not in groups:
             raise fmt.CheckpointCorrupt(f"{path}: group /{required} is missing")
@@ -109,6 +108,7 @@ def read_header(path):
         raise fmt.CheckpointCorrupt(
             f"{path}: holds {len(datasets)} datasets but was written with {root.get('ndatasets')}"
             + (f" (not written by hpctrain: {', '.join('/' + p for p in extra[:20])})" if extra else ""))
+    _check_metadata(path, root, groups, datasets)  # after the checks above, which say more precisely what is wrong
     return Header(path, root, groups, datasets)
 
 

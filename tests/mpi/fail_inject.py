@@ -34,7 +34,10 @@ def _rank():
 
 
 def _act(action, where):
-    print(f"fail_inject: rank {_rank()}: {action} at {where}", file=sys.stderr, flush=True)
+    import threading
+
+    print(f"fail_inject: rank {_rank()}: {action} at {where} (thread {threading.current_thread().name})",
+          file=sys.stderr, flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "sleep":
