@@ -1,5 +1,6 @@
 """Fast, single-process tests of the checkpoint format's pure logic: names, checksums and
 their combination, the sharing-out of datasets among ranks, retention, when to save."""
+import json
 import math
 import random
 import zlib
@@ -170,3 +171,48 @@ def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
     parts = [writer.DatasetPlan("w", big.shape, big.dtype, {}, pieces, big[fmt.slices(r)]) for r in regions]
     gathered = [writer.own_checksums([d], rank)[0] for rank, d in enumerate(parts)]
     assert writer.combine_checksums(gathered, 1) == [fmt.crc32_bytes(big)]
+
+
+def test_all_finite_per_dtype_as_stored():
+    """NaN and infinity are found in every floating dtype, also those stored as raw bits."""
+    import torch
+
+    from hpctrain.checkpoint.snapshot import tensor_to_array
+
+    dtypes = [torch.float16, torch.float32, torch.float64, torch.bfloat16]
+    dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+    for dtype in dtypes:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            t = torch.tensor([0.5, -2.0, 1.0], dtype=torch.float32)
+            array, name = tensor_to_array(t.to(dtype), copy=True)
+            assert fmt.all_finite(array, name), name
+            t[1] = bad
+            array, name = tensor_to_array(t.to(dtype), copy=True)
+            expect = not torch.isfinite(t.to(dtype).float()).all().item()  # e4m3fn turns inf into NaN
+            assert fmt.all_finite(array, name) is not expect, (name, bad)
+    ints, name = tensor_to_array(torch.tensor([1, 2]), copy=False)
+    assert fmt.all_finite(ints, name) and fmt.all_finite(np.array([True]), "bool")
+
+
+def test_finite_paths_are_parameters_and_optimizer_state():
+    groups = {"optimizer": {"param_groups": json.dumps([{"params": ["fc.weight", "a/b"], "lr": 0.1}])}}
+    paths = ["model/fc.weight", "model/a%2Fb", "model/causal_mask", "optimizer/state/fc.weight/exp_avg",
+             "trainer/rng/torch"]
+    assert fmt.finite_paths(groups, paths) == {"model/fc.weight", "model/a%2Fb", "optimizer/state/fc.weight/exp_avg"}
+
+
+def test_metadata_crc_covers_values_not_their_types():
+    """The same values give the same checksum whether written (Python, numpy) or read back
+    (numpy scalars, bytes); any changed value, shape or dtype changes it."""
+    root = {"step": 12, "created_unix": 1.5, "run_config": "{}", "metadata_crc32": 7}
+    groups = {"trainer": {"step": 12, "extra": "{}"}, "optimizer/state": {}}
+    datasets = {"model/w": ((2, 3), "<f4", {"crc32": np.uint32(5), "dtype": "float32"})}
+    crc = fmt.metadata_crc(root, groups, datasets)
+    read_back = ({"step": np.int64(12), "created_unix": np.float64(1.5), "run_config": b"{}"},
+                 {"trainer": {"step": np.int64(12), "extra": "{}"}},
+                 {"model/w": ((2, 3), "<f4", {"crc32": 5, "dtype": b"float32"})})
+    assert fmt.metadata_crc(*read_back) == crc
+    assert fmt.metadata_crc(dict(root, step=13), groups, datasets) != crc
+    assert fmt.metadata_crc(root, {"trainer": {"step": 12, "extra": "{ }"}}, datasets) != crc
+    assert fmt.metadata_crc(root, groups, {"model/w": ((3, 2), "<f4", datasets["model/w"][2])}) != crc
+    assert fmt.metadata_crc(root, groups, {"model/w": ((2, 3), "<f8", datasets["model/w"][2])}) != crc
