@@ -10,7 +10,8 @@ ranks through parallel HDF5, made durable and pointed to by ``latest`` by rank 0
 The file layout is in ``docs/checkpoint-format.md``; ``hpctrain ckpt`` lists, inspects,
 verifies and exports checkpoints.
 """
-from .format import CheckpointCorrupt
+from .format import CheckpointCorrupt, NonFiniteState
 from .manager import CheckpointManager, load_checkpoint, save_checkpoint, verify_checkpoint
 
-__all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "CheckpointCorrupt"]
+__all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "CheckpointCorrupt",
+           "NonFiniteState"]

@@ -354,11 +354,21 @@ class CheckpointManager:
     def _loaded(self, state, path, header):
         self._last_step = state.progress.step
         self._last_time = time.monotonic()
-        on_root(lambda: self._start_branch(path, state.progress.step), self.comm)
+        on_root(lambda: self._start_branch_or_say(path, state.progress.step), self.comm)
         if self.world.is_root:
             a = header.root_attrs
             print(f"hpctrain: resumed from {path} at step {state.progress.step} (epoch {state.progress.epoch}), "
                   f"written by {a.get('nranks', '?')} rank(s) ({a.get('io_mode', '?')})", flush=True)
+
+    def _start_branch_or_say(self, path, step):
+        try:
+            self._start_branch(path, step)
+        except OSError as exc:
+            raise CheckpointError(
+                f"resumed from {path}, but the newer checkpoints of the branch left behind could not be moved "
+                f"to {os.path.join(self.directory, fmt.ABANDONED)}: {exc}",
+                hint="make the checkpoint directory writable; until they are moved, retention would count "
+                     "them as the newest checkpoints") from exc
 
     def _start_branch(self, path, step):
         """Rank 0, after loading ``path`` (step ``step``): the run continues from there, so

@@ -154,9 +154,19 @@ def _final_name(path):
     return path.split(TMP_MARK)[0]
 
 
+def mark_finite(plan):
+    """Mark as ``finite`` what a reader checks too (:func:`format.finite_paths`): the
+    parameters the optimizer's ``param_groups`` name, and optimizer state; so plans made
+    elsewhere (split models) are checked alike."""
+    must = fmt.finite_paths(plan.group_attrs, [d.path for d in plan.datasets])
+    for d in plan.datasets:
+        d.finite = d.finite or d.path in must
+
+
 def check_finite(plan, comm, path):
     """Collective: refuse (the same error on every rank) if a dataset marked ``finite`` holds
     NaN or infinity. Every rank checks only the rows it will write."""
+    mark_finite(plan)
     _, bad = own_checksums(plan.datasets, comm.Get_rank(), crc=False)
     refuse_nonfinite(plan.datasets, comm.allgather(bad), path)
     plan.finite_checked = True
@@ -316,6 +326,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
     datasets = plan.datasets
     # Checksums first: parallel HDF5 wants attribute values identical on every rank. The
     # same pass refuses NaN parameters, before the file exists.
+    mark_finite(plan)
     gathered = comm.allgather(own_checksums(datasets, rank, finite=not plan.finite_checked))
     refuse_nonfinite(datasets, [bad for _, bad in gathered], path)
     checksums = combine_checksums([sums for sums, _ in gathered], len(datasets))
@@ -407,6 +418,7 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
     (POSIX) driver; returns the checksums."""
     import h5py
 
+    mark_finite(plan)
     sums, bad = own_checksums(plan.datasets, 0, finite=not plan.finite_checked)
     refuse_nonfinite(plan.datasets, [bad], path)
     checksums = combine_checksums([sums], len(plan.datasets))
