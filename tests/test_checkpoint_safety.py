@@ -81,3 +81,30 @@ def test_metadata_checksum_as_documented(tmp_path):
     code = recipe.replace('"ckpt-00001200.h5"', repr(str(path))) + "\nprint('recipe ok')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert "recipe ok" in out.stdout, out.stderr
+    # a version-2 file without its metadata checksum is damaged; a version-1 file (which never
+    # had one) is read, with a warning that its attributes are unchecked
+    import logging
+    import shutil
+
+    import h5py
+
+    from hpctrain.checkpoint import verify_checkpoint
+
+    stripped, old = tmp_path / "stripped.h5", tmp_path / "v1.h5"
+    for target in (stripped, old):
+        shutil.copy(path, target)
+        with h5py.File(target, "r+") as f:
+            del f.attrs["metadata_crc32"]
+            if target == old:
+                f.attrs["format_version"] = 1
+    problems = verify_checkpoint(str(stripped))
+    assert len(problems) == 1 and "metadata checksum (attribute metadata_crc32 of /) is missing" in problems[0]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hpctrain.checkpoint").addHandler(handler)
+    try:
+        assert verify_checkpoint(str(old)) == []
+    finally:
+        logging.getLogger("hpctrain.checkpoint").removeHandler(handler)
+    assert any("version-1 checkpoint" in r.getMessage() and "not" in r.getMessage() for r in records)
