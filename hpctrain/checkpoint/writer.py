@@ -284,12 +284,17 @@ def _write_alone(dset, d, region, call_bytes):
 # error on one node), the other ranks wait in MPI for ever and no exception reaches them;
 # an abort that names the file is the only way out that does not hang.
 COLLECTIVE_TIMEOUT = 600.0
+# The same after a write failed on some rank: the data is not written any more (the file was
+# truncated), closing has only the metadata left to write.
+FAILED_CLOSE_TIMEOUT = 60.0
 
 
 @contextlib.contextmanager
-def or_abort(what, path, rank, errors=()):
-    """Abort the job if the block has not finished in ``COLLECTIVE_TIMEOUT`` seconds;
+def or_abort(what, path, rank, errors=(), seconds=None):
+    """Abort the job if the block has not finished in ``seconds`` (``COLLECTIVE_TIMEOUT``);
     ``errors``: what already failed on this rank, said first."""
+    seconds = COLLECTIVE_TIMEOUT if seconds is None else seconds
+
     def fire():
         import socket
 
@@ -298,13 +303,13 @@ def or_abort(what, path, rank, errors=()):
         from ..coordination import abort_job
 
         os.write(2, (f"hpctrain: error: rank {rank} on {socket.gethostname()}: {what} {path} did not finish in "
-                     f"{COLLECTIVE_TIMEOUT:.0f} s{' after ' + '; '.join(errors) if errors else ''}: a rank's write failed inside HDF5's collective call (see the "
+                     f"{seconds:.0f} s{' after ' + '; '.join(errors) if errors else ''}: a rank's write failed inside HDF5's collective call (see the "
                      f"MPI-IO messages above) and the other ranks would wait for ever; aborting the job. "
                      f"The previous checkpoint and `latest` are untouched.\nHINT: check space, quotas and "
                      f"file-size limits (ulimit -f) of {os.path.dirname(path)} on every node\n").encode())
         abort_job(MPI.COMM_WORLD)
 
-    timer = threading.Timer(COLLECTIVE_TIMEOUT, fire)
+    timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
     try:
@@ -331,7 +336,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
     refuse_nonfinite(datasets, [bad for _, bad in gathered], path)
     checksums = combine_checksums([sums for sums, _ in gathered], len(datasets))
 
-    errors, f = [], None
+    errors, f, failed = [], None, False
     try:
         f = h5py.File(path, "w", driver="mpio", comm=comm, libver=LIBVER)
     except Exception as exc:
@@ -390,7 +395,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
     finally:
         if f is not None:
             try:
-                with or_abort("closing", path, rank, list(errors)):
+                with or_abort("closing", path, rank, list(errors),
+                              min(COLLECTIVE_TIMEOUT, FAILED_CLOSE_TIMEOUT) if failed else None):
                     f.close()
             except Exception as exc:
                 errors.append(f"closing: {_describe(exc)}")

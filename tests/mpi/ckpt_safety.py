@@ -272,7 +272,7 @@ def one_rank_cannot_extend():
     rank never leaves) the job aborts naming the file; never a silent wait. Runs last: the
     test checks the directory after the job ended."""
     d = fresh_dir("one_rank")
-    writer.COLLECTIVE_TIMEOUT = 10.0
+    writer.FAILED_CLOSE_TIMEOUT = 10.0  # the default 60 s, shortened for the test
     state = cc.make_state(seed=3)
     mgr = CheckpointManager(d, W, cc.config(), None)
     train_and_save(mgr, state, [1])
