@@ -3,6 +3,7 @@ when used, so ``hpctrain --help`` and ``hpctrain doctor`` stay fast on a login n
 
     hpctrain doctor [--json]                  check the stack (MPI, parallel h5py, Horovod, torch)
     mpirun -n 4 hpctrain train CONFIG [k=v]   train data-parallel
+    hpctrain launch [-n N] CONFIG [k=v]       start the ranks, restart the job after a failure
     hpctrain ckpt list|inspect|verify|export  work with checkpoints
     hpctrain report RUN_DIR                   plots and a summary of a run
 """
@@ -16,6 +17,7 @@ from . import __version__
 SUBCOMMANDS = {
     "doctor": ("hpctrain.doctor", "check that this machine can run a parallel job, and say how to fix it"),
     "train": ("hpctrain.training.command", "train a model data-parallel (launch under mpirun or srun)"),
+    "launch": ("hpctrain.job.supervisor", "start the ranks of a training job and restart it when it fails"),
     "ckpt": ("hpctrain.checkpoint.cli", "list, inspect, verify and export checkpoints"),
     "report": ("hpctrain.monitoring.report", "write plots and a summary of a finished run"),
 }
