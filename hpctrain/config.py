@@ -364,11 +364,44 @@ def _check_finite(cfg):
                                        f"{section}.{f.name}={default!r} (the default)")
 
 
+def resolve_global_batch(global_batch, ranks, accumulation=1):
+    """``(batch_size, accumulation, note)`` that make ``global_batch = batch_size x ranks x
+    accumulation`` on ``ranks`` ranks: the smallest accumulation >= the configured one for which
+    the global batch divides evenly, so that the same samples make each step on any number of
+    ranks. ``note`` says what changed (``None`` when the accumulation is the configured one).
+    Raises :class:`ConfigError` naming what to set when no accumulation fits (pure).
+
+    >>> resolve_global_batch(48, 3, 1)
+    (16, 1, None)
+    >>> resolve_global_batch(64, 4, 3)[:2]
+    (4, 4)
+    """
+    per_rank = global_batch // ranks
+    chosen = None
+    if global_batch % ranks == 0:
+        chosen = next((a for a in range(accumulation, per_rank + 1) if per_rank % a == 0), None)
+    if chosen is None:
+        per_step = ranks * accumulation
+        lower = max(per_step, global_batch // per_step * per_step)
+        raise ConfigError(
+            f"train.global_batch_size = {global_batch} is not divisible by ranks x accumulation = {ranks} x "
+            f"{accumulation} = {per_step}, nor by {ranks} x any larger accumulation",
+            hint=f"use a multiple of {per_step} (e.g. {lower} or {lower + per_step}), run on a number of ranks "
+                 f"that divides it, or set the per-rank train.batch_size instead. A global batch divisible by "
+                 f"every rank count a relaunch may use (e.g. 48 for 1 to 4 ranks) trains the same on each")
+    note = None
+    if chosen != accumulation:
+        note = (f"train.accumulation {accumulation} -> {chosen}: the global batch {global_batch} over {ranks} "
+                f"ranks is {per_rank} per rank, which {accumulation} micro-batches do not divide")
+    return per_rank // chosen, chosen, note
+
+
 def validate(cfg, world_size=1, cuda=False, need_data=True):
     """Check values that no single field's type can; return a resolved copy.
 
     The copy has ``train.batch_size`` (per rank) derived from ``global_batch_size`` when that
-    is set. Raises :class:`ConfigError` naming the key, the value and the fix.
+    is set, with the accumulation raised where needed (:func:`resolve_global_batch`; ``cfg.notes``
+    then says what changed). Raises :class:`ConfigError` naming the key, the value and the fix.
     """
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))
 
@@ -407,15 +440,9 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
                           f"rate is multiplied by it at each rollback)",
                           hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
     if t.global_batch_size:
-        per_step = world_size * t.accumulation
-        if t.global_batch_size % per_step:
-            lower = max(per_step, t.global_batch_size // per_step * per_step)
-            raise ConfigError(
-                f"train.global_batch_size = {t.global_batch_size} is not divisible by ranks x accumulation "
-                f"= {world_size} x {t.accumulation} = {per_step}",
-                hint=f"use a multiple of {per_step} (e.g. {lower} or {lower + per_step}), or set the "
-                     f"per-rank train.batch_size instead")
-        t.batch_size = t.global_batch_size // per_step
+        t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, world_size, t.accumulation)
+        if note:  # what was changed, for rank 0 to say (not a field: never written to config.toml)
+            cfg.notes = (note,)
     from .models import NAMES as MODELS
 
     choice("model.name", cfg.model.name, MODELS)
