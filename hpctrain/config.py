@@ -44,6 +44,12 @@ class CheckpointConfig:
     async_save: bool = False  # copy to host memory, write while training continues
     verify: bool = True  # verify checksums after write, before rename
     consistency: str = "check"  # "check", "repair" or "off"
+    # The interval chosen by hpctrain (docs/performance.md, "Checkpoint interval"): from the
+    # measured save cost and step time; every_steps/every_minutes, when set, are upper bounds.
+    auto_interval: bool = False
+    max_overhead: float = 0.0  # fraction of wall time training may wait for saves, e.g. 0.02; 0: off
+    mtbf_hours: float = 0.0  # the job's mean time between failures: Young/Daly interval; 0: off
+
 
 
 # ---------------------------------------------------------------- the other sections
@@ -396,6 +402,24 @@ def resolve_global_batch(global_batch, ranks, accumulation=1):
     return per_rank // chosen, chosen, note
 
 
+def _check_auto_interval(k):
+    """``[checkpoint]``: auto_interval needs a rule, and the rules need auto_interval."""
+    if k.auto_interval and not (k.max_overhead or k.mtbf_hours):
+        raise ConfigError("checkpoint.auto_interval = true, but neither checkpoint.max_overhead nor "
+                          "checkpoint.mtbf_hours is set: no rule to choose the interval by",
+                          hint="e.g. checkpoint.max_overhead=0.02 (2% of wall time) and/or "
+                               "checkpoint.mtbf_hours=24 (the job's mean time between failures)")
+    if not k.auto_interval:
+        for name in ("max_overhead", "mtbf_hours"):
+            if getattr(k, name):
+                raise ConfigError(f"checkpoint.{name} = {getattr(k, name)!r} is only used with "
+                                  f"checkpoint.auto_interval = true, which is false",
+                                  hint=f"set checkpoint.auto_interval=true, or remove checkpoint.{name}")
+    if k.max_overhead >= 0.5:
+        raise ConfigError(f"checkpoint.max_overhead = {k.max_overhead!r} must be below 0.5 (a fraction of wall "
+                          f"time, not a percentage)", hint="e.g. checkpoint.max_overhead=0.02 for 2%")
+
+
 def validate(cfg, world_size=1, cuda=False, need_data=True):
     """Check values that no single field's type can; return a resolved copy.
 
@@ -471,8 +495,10 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
                           hint="e.g. monitor.slow_rank_factor = 1.3")
     k = cfg.checkpoint
     choice("checkpoint.best_mode", k.best_mode, ("min", "max"))
-    for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every"):
+    for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",
+                 "mtbf_hours"):
         positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
+    _check_auto_interval(k)
     if not cfg.run.name or os.sep in cfg.run.name:
         raise ConfigError(f"run.name = {cfg.run.name!r} must be a non-empty name without {os.sep!r}",
                           hint='e.g. run.name = "digits"')

@@ -349,9 +349,10 @@ def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", mileston
 # ---------------------------------------------------------------- when to save
 
 def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_minutes=0.0,
-                on_epoch_end=True, on_finish=True, epoch_end=False, final=False, requested=False):
-    """Why to save now (``"requested"``, ``"final"``, ``"epoch_end"``, ``"steps"``, ``"time"``)
-    or None. Never twice for the same step."""
+                on_epoch_end=True, on_finish=True, epoch_end=False, final=False, requested=False,
+                auto_due=False):
+    """Why to save now (``"requested"``, ``"final"``, ``"epoch_end"``, ``"steps"``, ``"time"``,
+    ``"auto"``: the interval hpctrain chose has passed) or None. Never twice for the same step."""
     if step == last_saved_step:
         return None
     if requested:
@@ -364,6 +365,8 @@ def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_
         return "steps"
     if every_minutes > 0 and seconds_since_save >= every_minutes * 60.0:
         return "time"
+    if auto_due:
+        return "auto"
     return None
 
 

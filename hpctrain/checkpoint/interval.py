@@ -1,0 +1,144 @@
+"""The checkpoint interval hpctrain chooses (``checkpoint.auto_interval``): pure arithmetic
+on times that the manager measures, no MPI, no clock of its own.
+
+Two rules, each optional, both from the save cost C (the seconds a save *blocks* training:
+a synchronous save's whole write, an asynchronous one's snapshot plus any wait for the
+previous write) and the step time T (seconds between saves' ends and the next call, per
+step, saves excluded):
+
+* overhead budget ``max_overhead`` = b: save every N = ceil(C / (0.9 b T)) steps, so that
+  C / (N T) stays under b (the 0.9 leaves room for noise in the estimates);
+* failure rate ``mtbf_hours`` = M (Young/Daly): the interval that minimises expected save
+  cost plus lost work, sqrt(2 C M) seconds, N = round(sqrt(2 C M) / T) steps.
+
+With both, the more frequent wins: the budget says what saving may cost, Young/Daly when
+saving less often would lose more work to failures than it saves in cost. ``every_steps``
+and ``every_minutes``, when also set, are upper bounds on the interval.
+
+C is the mean of the last few saves (a budget pays the slow ones too), T the median of the
+last steps. The interval is re-tuned when the one the current estimates call for differs
+from it: at once when it is longer by more than 1 / :data:`BUDGET_AIM` (the budget would
+be broken), when it is shorter by more than a factor :data:`RETUNE_FACTOR`.
+
+>>> auto = AutoInterval(max_overhead=0.1)
+>>> for _ in range(PROBE_STEPS):
+...     auto.observe_step(0.02)
+>>> auto.due(steps_since_save=5)      # no save measured yet: the first one is due now
+True
+>>> auto.observe_save(0.3)
+>>> auto.due(steps_since_save=1), auto.steps   # ceil(0.3 / (0.9 x 0.1 x 0.02)) = 167
+(False, 167)
+"""
+import math
+import statistics
+from collections import deque
+
+PROBE_STEPS = 5  # steps timed before the first save, which measures the save cost
+STEP_WINDOW = 64  # recent step times whose median is T
+SAVE_WINDOW = 5  # recent save costs whose mean is C
+RETUNE_FACTOR = 1.3  # re-tune when the wanted interval is this much shorter than the current
+BUDGET_AIM = 0.9  # of max_overhead: estimates are noisy, the budget is a maximum
+
+
+class AutoInterval:
+    """Rank 0's estimates and interval; ``steps`` is None until a save has been measured.
+
+    ``every_steps``/``every_minutes``: upper bounds (0: none). Feed it with
+    :meth:`observe_step` (per step) and :meth:`observe_save` (seconds a save blocked), ask
+    :meth:`due`; :attr:`changes` collects the log lines of each change of interval.
+    """
+
+    def __init__(self, max_overhead=0.0, mtbf_hours=0.0, every_steps=0, every_minutes=0.0):
+        if max_overhead <= 0 and mtbf_hours <= 0:
+            raise ValueError("AutoInterval needs max_overhead > 0 or mtbf_hours > 0")
+        self.max_overhead = max_overhead
+        self.mtbf_seconds = mtbf_hours * 3600.0
+        self.every_steps = every_steps
+        self.every_seconds = every_minutes * 60.0
+        self._steps = deque(maxlen=STEP_WINDOW)
+        self._saves = deque(maxlen=SAVE_WINDOW)
+        self.steps = None
+        self.why = None
+        self.changes = []
+
+    # -- measurements
+
+    def observe_step(self, seconds, count=1):
+        """``count`` steps took ``seconds`` together (saves excluded)."""
+        if count > 0 and seconds >= 0:
+            self._steps.extend([seconds / count] * min(count, STEP_WINDOW))
+
+    def observe_save(self, seconds):
+        """A save blocked training for ``seconds``."""
+        if seconds >= 0:
+            self._saves.append(seconds)
+
+    @property
+    def save_cost(self):
+        return statistics.fmean(self._saves) if self._saves else None
+
+    @property
+    def step_time(self):
+        return statistics.median(self._steps) if self._steps else None
+
+    # -- the rules
+
+    def wanted(self, save_cost, step_time):
+        """(steps, why) for these estimates: the interval and the rule that set it."""
+        step_time = max(step_time, 1e-9)
+        rules = []
+        if self.max_overhead > 0:
+            rules.append((math.ceil(save_cost / (BUDGET_AIM * self.max_overhead * step_time)), "budget"))
+        if self.mtbf_seconds > 0:
+            rules.append((round(young_daly_seconds(save_cost, self.mtbf_seconds) / step_time), "mtbf"))
+        if self.every_steps > 0:
+            rules.append((self.every_steps, "every_steps"))
+        if self.every_seconds > 0:
+            rules.append((math.floor(self.every_seconds / step_time), "every_minutes"))
+        steps, why = min(rules)  # the most frequent; on a tie the earlier-listed reason
+        return max(1, steps), why
+
+    def due(self, steps_since_save):
+        """Is a save due, ``steps_since_save`` steps after the last one (or since this
+        process started, when it has not saved)? Re-tunes first."""
+        if self.save_cost is None:
+            return len(self._steps) >= PROBE_STEPS
+        self._retune()
+        return self.steps is not None and steps_since_save >= self.steps
+
+    def _retune(self):
+        cost, step = self.save_cost, self.step_time
+        if step is None:
+            return
+        steps, why = self.wanted(cost, step)
+        # Longer as soon as the current interval would break the budget; shorter only
+        # after a clear change, so that noise does not move it back and forth.
+        if self.steps is not None and self.steps / RETUNE_FACTOR <= steps <= self.steps / BUDGET_AIM:
+            return
+        before = self.steps
+        self.steps, self.why = steps, why
+        self.changes.append(self.describe(cost, step, before))
+
+    def describe(self, cost, step, before=None):
+        """The log line of the current interval."""
+        parts = [f"save blocks {cost:.3g} s", f"step {step:.3g} s"]
+        if self.max_overhead > 0:
+            parts.append(f"budget {self.max_overhead:.3g} of wall time -> "
+                         f"{_fmt_pct(cost / (self.steps * step + cost))} spent")
+        if self.mtbf_seconds > 0:
+            parts.append(f"MTBF {self.mtbf_seconds / 3600:.3g} h -> Young/Daly "
+                         f"{young_daly_seconds(cost, self.mtbf_seconds):.3g} s")
+        rule = {"budget": "the overhead budget", "mtbf": "Young/Daly for the MTBF",
+                "every_steps": "checkpoint.every_steps", "every_minutes": "checkpoint.every_minutes"}[self.why]
+        was = "" if before is None else f", was every {before}"
+        return (f"checkpoint interval: every {self.steps} steps, ~{self.steps * step:.3g} s "
+                f"({', '.join(parts)}; set by {rule}{was})")
+
+
+def young_daly_seconds(save_cost, mtbf_seconds):
+    """Young's first-order optimum interval between checkpoints: sqrt(2 C M)."""
+    return math.sqrt(2.0 * save_cost * mtbf_seconds)
+
+
+def _fmt_pct(fraction):
+    return f"{100 * fraction:.2g}%"
