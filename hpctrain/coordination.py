@@ -137,6 +137,25 @@ def _exit_status(exc):
     return exc.code if isinstance(exc.code, int) and not isinstance(exc.code, bool) and exc.code > 0 else 1
 
 
+def _record_failure(exc, rank, host, collective):
+    """The failure, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``): by the rank
+    that failed, once (rank 0) for a user error every rank raised alike; not the ranks that
+    only learnt of another's failure (``RemoteError``)."""
+    if isinstance(exc, RemoteError) or (isinstance(exc, SystemExit) and collective):
+        return  # an error already recorded further in, or a normal exit status
+    if collective and rank != 0 and isinstance(exc, HpctrainError):
+        return
+    from .job import failure
+
+    if isinstance(exc, SystemExit):
+        kind, status = "exit", _exit_status(exc)
+    else:
+        kind = "error" if collective else "exception"
+        status = getattr(exc, "exit_code", 1) if collective else 1
+    failure.record(kind, rank=rank, host=host, status=status, error=type(exc).__name__, message=exc,
+                   collective=collective)
+
+
 @contextlib.contextmanager
 def abort_on_exception(comm, where=None):
     """Log an exception with rank and host, then abort the whole job (if it has >1 rank).
@@ -161,6 +180,7 @@ def abort_on_exception(comm, where=None):
         size = comm.Get_size() if comm is not None else 1
         host = where or socket.gethostname()
         collective = getattr(exc, "collective", False) or size == 1
+        _record_failure(exc, rank, host, collective)
         if isinstance(exc, SystemExit):
             if collective:
                 raise  # every rank leaves alike (or there is only one)

@@ -14,6 +14,10 @@ HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0  
 HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``
                            may run before the job is aborted, when
                            ``train.step_timeout`` is 0
+HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    unset        ``coordination``,
+                           to before the job ends (rank, host, kind,                      ``job.watchdog``
+                           exit status, error, step); ``hpctrain launch``                 (written by
+                           sets it to ``RUN_DIR/failures.jsonl``                          ``job.failure``)
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``

@@ -1,0 +1,202 @@
+"""What failed, machine-readably: the ranks' own failure records and the launcher's report.
+
+A rank that fails on purpose-built paths (an exception that aborts the job, an error every
+rank raises alike, the watchdog ending a hang) appends one JSON line to the file that
+``HPCTRAIN_FAILURE_FILE`` names, before the job ends (nothing when it is unset)::
+
+    {"kind": "exception", "rank": 1, "host": "node07", "status": 1, "error": "RuntimeError",
+     "message": "...", "collective": false, "pid": 4242, "timestamp": 1767139200.0}
+
+``kind``: ``exception`` (one rank alone, the job is aborted), ``error`` (every rank raised the
+same error; written by rank 0 only), ``hang`` (the watchdog; with ``phase`` and ``step`` when
+the phase is a step), ``exit`` (``sys.exit`` on one rank alone). ``status``: the exit status
+the failure ends the job with (2 bad input, 4 hung, 5 diverged, 1 other).
+
+A rank killed by a signal writes nothing; :func:`launcher_events` reads which rank, host and
+signal from what ``mpirun`` (Open MPI) or ``srun`` printed. :func:`diagnose` puts both
+together into one :class:`Failure` and says whether relaunching can help (pure).
+
+>>> diagnose(137, [], launcher_events("mpirun noticed that process rank 1 with PID 0 on node n3 "
+...                                    "exited on signal 9 (Killed)."), hosts=["n3", "n3"]).describe()
+'rank 1 on n3 was killed by signal 9 (SIGKILL)'
+"""
+import json
+import os
+import re
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .. import settings
+
+# Exit statuses of `hpctrain train` (README, "Exit status").
+EXIT_OK, EXIT_OTHER, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
+
+
+# ---------------------------------------------------------------- the ranks' records
+def record(kind, *, rank, host=None, status, error=None, message=None, step=None, phase=None,
+           collective=False, environ=None):
+    """Append one failure record to ``HPCTRAIN_FAILURE_FILE`` (if set). Never raises: it runs
+    on the way to an abort, which must happen whatever the file system does."""
+    path = settings.get("FAILURE_FILE", environ=environ)
+    if not path:
+        return
+    entry = {"kind": kind, "rank": rank, "host": host or socket.gethostname(), "status": status,
+             "error": error, "message": None if message is None else str(message)[:2000], "step": step,
+             "phase": phase, "collective": bool(collective), "pid": os.getpid(), "timestamp": time.time()}
+    try:
+        line = (json.dumps(entry, default=str) + "\n").encode(errors="replace")
+        # One write with O_APPEND: lines of ranks that fail together do not interleave.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except Exception:  # noqa: BLE001 - the abort comes first
+        pass
+
+
+def read_records(path, offset=0):
+    """The records appended to ``path`` after byte ``offset`` (a half-written line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            records.append(entry)
+    return records
+
+
+# ---------------------------------------------------------------- the launcher's report
+_OMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?) exited on signal (\d+)")
+_OMPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*\n\s*Exit code:\s*(\d+)")
+_OMPI_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with errorcode (\d+)")
+_SRUN_TASK = re.compile(r"srun: error: (\S+?): tasks? ([\d,\-]+): (Killed|Exited with exit code (\d+)|.+)")
+_SIGNAL_NAMES = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
+
+
+def _task_ranks(text):
+    ranks = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ranks.extend(range(int(lo), int(hi or lo) + 1))
+    return ranks
+
+
+def launcher_events(text):
+    """``[{"rank", "host", "signal", "status", "source"}]``: what ``mpirun`` or ``srun`` said
+    about ranks that died, in the order printed (``host`` or ``signal`` ``None`` when not said)."""
+    events = []
+    for m in _OMPI_SIGNAL.finditer(text):
+        host = m.group(2).rstrip(".,")
+        events.append({"rank": int(m.group(1)), "host": host, "signal": int(m.group(3)), "status": None,
+                       "source": "mpirun"})
+    for m in _OMPI_ABORT.finditer(text):
+        events.append({"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
+                       "source": "mpirun"})
+    for m in _OMPI_EXIT.finditer(text):
+        events.append({"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
+                       "source": "mpirun"})
+    for m in _SRUN_TASK.finditer(text):
+        what = m.group(3).strip()
+        sig = _SIGNAL_NAMES.get(what)
+        status = int(m.group(4)) if m.group(4) else None
+        if sig is None and status is None:
+            continue  # another srun error line
+        for rank in _task_ranks(m.group(2)):
+            events.append({"rank": rank, "host": m.group(1), "signal": sig, "status": status, "source": "srun"})
+    return events
+
+
+# ---------------------------------------------------------------- one diagnosis
+@dataclass
+class Failure:
+    """Why one launch of the job did not succeed, and whether a relaunch can help."""
+
+    cause: str  # "signal", "exception", "hang", "exit", "bad_input", "diverged", "stopped", "failure"
+    status: int  # the job's exit status as the supervisor passes it on
+    restartable: bool
+    rank: Optional[int] = None
+    host: Optional[str] = None
+    signal: Optional[int] = None
+    error: Optional[str] = None  # the exception's type
+    message: Optional[str] = None
+    step: Optional[int] = None  # the step it failed in, when a record says so
+    source: Optional[str] = None  # "record", "mpirun", "srun" or "exit status"
+
+    def describe(self):
+        who = "the job" if self.rank is None else f"rank {self.rank}" + (f" on {self.host}" if self.host else "")
+        if self.cause == "signal":
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = "?"
+            return f"{who} was killed by signal {self.signal} ({name})"
+        if self.cause == "hang":
+            return f"{who} hung{'' if self.step is None else f' in step {self.step}'} and the watchdog ended the job"
+        what = {"bad_input": "stopped on bad input", "diverged": "diverged (non-finite training)",
+                "stopped": "stopped on request", "exit": "called sys.exit alone"}.get(self.cause, "failed")
+        error = f": {self.error}" if self.error else ""
+        return f"{who} {what}{error} (exit status {self.status})"
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _host(rank, hosts):
+    return hosts[rank] if hosts and rank is not None and 0 <= rank < len(hosts) else None
+
+
+def _by_status(status):
+    """(cause, restartable) of an exit status of `hpctrain train`."""
+    return {EXIT_BAD_INPUT: ("bad_input", False), EXIT_STOPPED: ("stopped", False),
+            EXIT_HUNG: ("hang", True), EXIT_DIVERGED: ("diverged", False)}.get(status, ("failure", True))
+
+
+def diagnose(returncode, records=(), events=(), hosts=None):
+    """One :class:`Failure` from the launcher's exit status, the ranks' records of this launch
+    and the launcher's events (pure). A rank killed by a signal is the cause before any record
+    (the others' records then describe the consequences); else the first record of a rank that
+    failed itself (not a ``RemoteError``: that names another rank's failure); else what the
+    launcher said; else the exit status. Never restartable: bad input (2, the same error would
+    repeat), a requested stop (3, the job script requeues) and divergence (5)."""
+    killed = [e for e in events if e.get("signal")]
+    if killed:
+        e = killed[0]
+        return Failure("signal", EXIT_OTHER, True, e["rank"], e["host"] or _host(e["rank"], hosts),
+                       signal=e["signal"], source=e["source"])
+    own = [r for r in records if r.get("error") != "RemoteError"]
+    if own:
+        first = min(own, key=lambda r: r.get("timestamp") or 0)
+        status = int(first.get("status") or EXIT_OTHER)
+        cause, restartable = _by_status(status)
+        if first.get("kind") == "hang":
+            cause, restartable = "hang", True
+        elif cause == "failure":
+            cause = "exit" if first.get("kind") == "exit" else "exception"
+        return Failure(cause, status, restartable, first.get("rank"), first.get("host"), error=first.get("error"),
+                       message=first.get("message"), step=first.get("step"), source="record")
+    status = returncode if 0 < returncode < 128 else EXIT_OTHER
+    rank = host = None
+    source = "exit status"
+    if events:
+        e = events[0]
+        rank, host, source = e["rank"], e["host"] or _host(e["rank"], hosts), e["source"]
+        if e.get("status"):
+            status = e["status"]
+    if (returncode < 0 or returncode > 128) and not events:  # a signal, with no rank named
+        return Failure("signal", EXIT_OTHER, True, signal=-returncode if returncode < 0 else returncode - 128,
+                       source=source)
+    cause, restartable = _by_status(status)
+    return Failure(cause, status, restartable, rank, host, source=source)

@@ -1,0 +1,82 @@
+"""What ``hpctrain launch`` starts on each rank in the supervisor tests: ``python -m hpctrain
+train ...`` with a failure placed by step, and every rank's samples of every step written down.
+
+    SUPERVISED_KILL_STEP=7 SUPERVISED_KILL_RANK=1 SUPERVISED_MARKER=/tmp/killed \\
+        hpctrain launch -n 2 --python WRAPPER examples/digits.toml
+
+(``WRAPPER``: an executable that runs ``python tests/mpi/supervised_rank.py "$@"``.)
+
+SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itself as step N
+    begins; only once when SUPERVISED_MARKER names a file (created just before the kill, so a
+    relaunch runs through), at every launch without it.
+SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
+    "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
+    launcher's pid, the same for every rank of one launch).
+Test hooks only: nothing here is part of hpctrain.
+"""
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def _rank():
+    for name in RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _append(path, text):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def install():
+    from hpctrain.training import trainer
+
+    kill_step = int(os.environ.get("SUPERVISED_KILL_STEP") or 0)
+    kill_rank = int(os.environ.get("SUPERVISED_KILL_RANK") or 0)
+    marker = os.environ.get("SUPERVISED_MARKER")
+    order_dir = os.environ.get("SUPERVISED_ORDER")
+    original = trainer.Trainer._train_step
+
+    def _train_step(self, run, micro_batches):
+        step = run.state.progress.step + 1
+        if kill_step and step == kill_step and run.world.rank == kill_rank:
+            if not marker or not os.path.exists(marker):
+                if marker:
+                    _append(marker, f"rank {run.world.rank} killed at step {step}\n")
+                print(f"supervised_rank: rank {run.world.rank}: SIGKILL at step {step}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        if order_dir:
+            samples = [int(i) for mb in micro_batches for i in mb]
+            _append(os.path.join(order_dir, f"rank-{run.world.rank}-{os.getpid()}.jsonl"),
+                    json.dumps({"launch": os.getppid(), "time": time.time(), "step": step, "rank": run.world.rank,
+                                "size": run.world.size, "samples": samples}) + "\n")
+        return original(self, run, micro_batches)
+
+    trainer.Trainer._train_step = _train_step
+
+
+def main():
+    install()
+    args = sys.argv[1:]
+    if args[:1] == ["-m"]:
+        sys.argv = [args[1]] + args[2:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
