@@ -148,3 +148,14 @@ def test_config_auto_interval_errors_name_field_value_and_fix(overrides, words):
     assert "HINT:" in text
     for word in words:
         assert word in text, text
+
+
+def test_async_interval_at_least_the_background_write():
+    # an async save blocks 10 ms: the budget alone would save every 6 steps (0.12 s), but the
+    # background write takes 1 s, and a save started before it ends would wait for it
+    auto = measured(AutoInterval(max_overhead=0.1), step=0.02, save=0.01)
+    auto.due(0)
+    assert (auto.steps, auto.why) == (6, "budget")
+    auto.observe_write(1.0)
+    auto.due(0)
+    assert (auto.steps, auto.why) == (50, "async_write") and "background write 1 s" in auto.changes[-1]

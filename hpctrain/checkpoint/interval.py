@@ -12,8 +12,10 @@ step, saves excluded):
   cost plus lost work, sqrt(2 C M) seconds, N = round(sqrt(2 C M) / T) steps.
 
 With both, the more frequent wins: the budget says what saving may cost, Young/Daly when
-saving less often would lose more work to failures than it saves in cost. ``every_steps``
-and ``every_minutes``, when also set, are upper bounds on the interval.
+saving less often would lose more work to failures than it saves in cost. With
+``async_save`` the interval is at least as long as a background write takes (W, measured
+too): a save that starts earlier waits for the previous one, and that wait is cost.
+``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
 
 C is the mean of the last few saves (a budget pays the slow ones too), T the median of the
 last steps. The interval is re-tuned when the one the current estimates call for differs
@@ -57,6 +59,7 @@ class AutoInterval:
         self.every_seconds = every_minutes * 60.0
         self._steps = deque(maxlen=STEP_WINDOW)
         self._saves = deque(maxlen=SAVE_WINDOW)
+        self._writes = deque(maxlen=SAVE_WINDOW)
         self.steps = None
         self.why = None
         self.changes = []
@@ -72,6 +75,15 @@ class AutoInterval:
         """A save blocked training for ``seconds``."""
         if seconds >= 0:
             self._saves.append(seconds)
+
+    def observe_write(self, seconds):
+        """A background (``async_save``) write took ``seconds`` from start to durable."""
+        if seconds >= 0:
+            self._writes.append(seconds)
+
+    @property
+    def write_time(self):
+        return statistics.fmean(self._writes) if self._writes else None
 
     @property
     def save_cost(self):
@@ -91,11 +103,14 @@ class AutoInterval:
             rules.append((math.ceil(save_cost / (BUDGET_AIM * self.max_overhead * step_time)), "budget"))
         if self.mtbf_seconds > 0:
             rules.append((round(young_daly_seconds(save_cost, self.mtbf_seconds) / step_time), "mtbf"))
-        if self.every_steps > 0:
-            rules.append((self.every_steps, "every_steps"))
-        if self.every_seconds > 0:
-            rules.append((math.floor(self.every_seconds / step_time), "every_minutes"))
-        steps, why = min(rules)  # the most frequent; on a tie the earlier-listed reason
+        steps, why = min(rules)  # the more frequent; on a tie the budget
+        write = self.write_time
+        if write is not None and write > steps * step_time:  # lower bound: no save waits for the last
+            steps, why = math.ceil(write / step_time), "async_write"
+        if self.every_steps > 0 and self.every_steps < steps:  # upper bounds
+            steps, why = self.every_steps, "every_steps"
+        if self.every_seconds > 0 and self.every_seconds / step_time < steps:
+            steps, why = math.floor(self.every_seconds / step_time), "every_minutes"
         return max(1, steps), why
 
     def due(self, steps_since_save):
@@ -122,6 +137,8 @@ class AutoInterval:
     def describe(self, cost, step, before=None):
         """The log line of the current interval."""
         parts = [f"save blocks {cost:.3g} s", f"step {step:.3g} s"]
+        if self.write_time is not None:
+            parts.append(f"background write {self.write_time:.3g} s")
         if self.max_overhead > 0:
             parts.append(f"budget {self.max_overhead:.3g} of wall time -> "
                          f"{_fmt_pct(cost / (self.steps * step + cost))} spent")
@@ -129,7 +146,8 @@ class AutoInterval:
             parts.append(f"MTBF {self.mtbf_seconds / 3600:.3g} h -> Young/Daly "
                          f"{young_daly_seconds(cost, self.mtbf_seconds):.3g} s")
         rule = {"budget": "the overhead budget", "mtbf": "Young/Daly for the MTBF",
-                "every_steps": "checkpoint.every_steps", "every_minutes": "checkpoint.every_minutes"}[self.why]
+                "every_steps": "checkpoint.every_steps",
+                "async_write": "the background write's duration", "every_minutes": "checkpoint.every_minutes"}[self.why]
         was = "" if before is None else f", was every {before}"
         return (f"checkpoint interval: every {self.steps} steps, ~{self.steps * step:.3g} s "
                 f"({', '.join(parts)}; set by {rule}{was})")

@@ -26,6 +26,7 @@ from ..errors import CheckpointError, ConfigError
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
 from . import format as fmt
 from . import reader, snapshot, writer
+from .interval import AutoInterval
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -272,6 +273,15 @@ class CheckpointManager:
         self._bg_comm = None
         self._host_buffers = {}  # async snapshots' host memory, kept for the next save
         self.last_path = None
+        # checkpoint.auto_interval: rank 0's estimator (fed and asked inside on_root only);
+        # _mark: (clock, step) at the end of the previous maybe_save, _blocked: what the
+        # last save cost the training, to be fed to it at the next call.
+        self.interval = (AutoInterval(cfg.max_overhead, cfg.mtbf_hours, cfg.every_steps, cfg.every_minutes)
+                         if getattr(cfg, "auto_interval", False) else None)
+        self._mark = None
+        self._blocked = None
+        self._written = None  # seconds the last background write took (set by its thread)
+        self._first_step = None  # the step this process started from, before its first save
 
     # -- resume
 
@@ -404,14 +414,52 @@ class CheckpointManager:
     # -- saving
 
     def maybe_save(self, state, epoch_end=False, final=False, requested=False, metrics=None):
-        """Save if rank 0 says it is time; returns the path saved, or None."""
+        """Save if rank 0 says it is time; returns the path saved, or None.
+
+        With ``checkpoint.auto_interval`` the time between calls (minus what saves took) is
+        the step time and what a save blocks is its cost; rank 0 chooses the interval from
+        them (:mod:`.interval`), and ``every_steps`` becomes an upper bound on it."""
         c = self.cfg
-        reason = on_root(lambda: fmt.save_reason(
-            state.progress.step, self._last_step, time.monotonic() - self._last_time, c.every_steps,
-            c.every_minutes, c.on_epoch_end, c.on_finish, epoch_end, final, requested), self.comm)
-        if reason is None:
-            return None
-        return self.save(state, reason=reason, metrics=metrics)
+        started = time.monotonic()
+        step = state.progress.step
+        auto = self.interval
+
+        def decide():
+            due = auto is not None and self._auto_due(step, started)
+            return fmt.save_reason(step, self._last_step, started - self._last_time,
+                                   0 if auto is not None else c.every_steps, c.every_minutes, c.on_epoch_end,
+                                   c.on_finish, epoch_end, final, requested, auto_due=due)
+
+        reason = on_root(decide, self.comm)
+        path = None
+        if reason is not None:
+            path = self.save(state, reason=reason, metrics=metrics)
+        ended = time.monotonic()
+        if path is not None:
+            self._blocked = ended - started
+        self._mark = (ended, step)
+        return path
+
+    def _auto_due(self, step, now):
+        """Rank 0: feed the estimator what was measured since the last call, log a change of
+        interval, say whether the interval has passed."""
+        auto = self.interval
+        if self._blocked is not None:
+            auto.observe_save(self._blocked)
+            self._blocked = None
+        written, self._written = self._written, None
+        if written is not None:
+            auto.observe_write(written)
+        if self._mark is not None and step > self._mark[1]:  # not a second call at one step, nor a rollback
+            auto.observe_step(now - self._mark[0], step - self._mark[1])
+        if self._first_step is None:
+            self._first_step = step
+        since = step - (self._last_step if self._last_step is not None else self._first_step)
+        due = auto.due(since)
+        for line in auto.changes:
+            print(f"hpctrain: {line}", flush=True)
+        auto.changes.clear()
+        return due
 
     def save(self, state, reason="manual", metrics=None):
         """Write a checkpoint of ``state`` now; returns its path. With ``cfg.async_save`` the
@@ -457,8 +505,10 @@ class CheckpointManager:
         return False
 
     def _background(self, plan, info, metric):
+        started = time.monotonic()
         try:
             self._write_commit(plan, info, metric, self._bg_comm)
+            self._written = time.monotonic() - started  # for checkpoint.auto_interval
         except BaseException as exc:  # handed to the training thread by wait()
             self._bg_error = exc
 

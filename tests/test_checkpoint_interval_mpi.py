@@ -1,0 +1,92 @@
+"""checkpoint.auto_interval in real 2-rank runs of the trainer (tests/mpi/interval_train.py),
+with a save and a step of known cost: the overhead measured in the run stays within the
+budget, the Young/Daly interval matches sqrt(2 C MTBF) / step time, an asynchronous save is
+cheap, and every rank saves at the same steps."""
+import json
+import math
+import re
+import statistics
+
+from hpctrain.checkpoint import reader
+from hpctrain.checkpoint.interval import PROBE_STEPS
+from mpi_harness import mpirun
+
+SCRIPT = "tests/mpi/interval_train.py"
+SAVE_SLEEP, STEP_SLEEP = 0.25, 0.02
+INTERVAL = re.compile(r"hpctrain: checkpoint interval: every (\d+) steps.*set by ([^;,)]+)")
+
+
+def run(tmp_path, *overrides):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = mpirun(2, [SCRIPT, out, SAVE_SLEEP, STEP_SLEEP, "comm.backend=mpi", *overrides], timeout=150,
+                    check=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s[0] for s in ranks[0]["saves"]] == [s[0] for s in ranks[1]["saves"]]  # the same decision
+    return result.stdout, ranks[0]
+
+
+def chosen(stdout):
+    found = INTERVAL.findall(stdout)
+    assert found, stdout
+    return [(int(n), why) for n, why in found]
+
+
+def overhead_after_first_save(record):
+    """Seconds training waited for saves / wall time, from the end of the first save (which
+    measured the save cost) to the last step."""
+    ends = dict(record["steps"])
+    first = record["saves"][0][0]
+    blocked = sum(seconds for _, seconds, _ in record["saves"][1:])
+    return blocked / (record["steps"][-1][1] - ends[first])
+
+
+def step_time(record):
+    """Median step time, saves excluded."""
+    saved = {s for s, _, _ in record["saves"]}
+    steps = record["steps"]
+    return statistics.median(b[1] - a[1] for a, b in zip(steps, steps[1:]) if b[0] not in saved)
+
+
+def test_overhead_budget_holds_in_a_run_with_a_known_save_cost(tmp_path):
+    budget = 0.1
+    stdout, record = run(tmp_path, f"checkpoint.max_overhead={budget}", "train.max_steps=500")
+    saves = [s for s, _, _ in record["saves"]]
+    assert saves[0] <= PROBE_STEPS + 2  # early, to measure the cost
+    assert len(saves) >= 3, saves
+    for _, _, path in record["saves"]:
+        assert reader.read_header(path).root_attrs["reason"] == "auto"
+    intervals = chosen(stdout)
+    assert all(why == "the overhead budget" for _, why in intervals)
+    assert {b - a for a, b in zip(saves, saves[1:])} <= {n for n, _ in intervals}
+    overhead = overhead_after_first_save(record)
+    assert overhead <= budget, (overhead, record["saves"])
+    assert overhead >= budget / 3, (overhead, record["saves"])  # and it saves as often as the budget allows
+
+
+def test_mtbf_interval_matches_young_daly(tmp_path):
+    mtbf_hours = 0.003
+    stdout, record = run(tmp_path, f"checkpoint.mtbf_hours={mtbf_hours}", "train.max_steps=360")
+    saves = [s for s, _, _ in record["saves"]]
+    assert len(saves) >= 3, saves
+    assert all(why == "Young/Daly for the MTBF" for _, why in chosen(stdout))
+    cost = statistics.median(seconds for _, seconds, _ in record["saves"])
+    formula = math.sqrt(2 * cost * mtbf_hours * 3600) / step_time(record)
+    spacing = saves[-1] - saves[-2]
+    assert abs(spacing - formula) <= 0.1 * formula, (spacing, formula, cost, step_time(record))
+
+
+def test_async_save_is_cheap_and_not_started_before_the_last_write_ends(tmp_path):
+    budget = 0.1
+    stdout, record = run(tmp_path, f"checkpoint.max_overhead={budget}", "checkpoint.async_save=true",
+                         "train.max_steps=300")
+    sync_steps = math.ceil(SAVE_SLEEP / (budget * STEP_SLEEP))  # what a synchronous save would need, at least
+    saves = [s for s, _, _ in record["saves"]]
+    assert len(saves) >= 4, saves
+    last_n, _ = chosen(stdout)[-1]
+    assert last_n < sync_steps / 2, (last_n, sync_steps)
+    assert "background write" in stdout
+    assert last_n * step_time(record) >= SAVE_SLEEP  # no save starts while the last is being written
+    late = [seconds for _, seconds, _ in record["saves"][len(saves) // 2:]]
+    assert statistics.median(late) < SAVE_SLEEP / 5, record["saves"]  # training does not wait for the write
+    assert overhead_after_first_save(record) <= budget, record["saves"]
