@@ -159,3 +159,27 @@ def test_async_interval_at_least_the_background_write():
     auto.observe_write(1.0)
     auto.due(0)
     assert (auto.steps, auto.why) == (50, "async_write") and "background write 1 s" in auto.changes[-1]
+
+
+def test_interval_model_of_docs_performance():
+    """benchmarks/interval_model.py (the table of docs/performance.md): deterministic, the
+    auto interval is Young's, and under its assumptions it finishes no later than a fixed one."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "interval_model.py"
+    spec = importlib.util.spec_from_file_location("interval_model", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    assert model.table() == model.table()
+    rows = model.rows()
+    for nodes in model.NODES:
+        mine = {r["strategy"]: r for r in rows if r["nodes"] == nodes}
+        mtbf = model.ASSUMPTIONS["node_mtbf_years"] * model.YEAR / nodes
+        auto = mine["auto (mtbf_hours), sync, supervisor"]
+        assert auto["interval_min"] * 60 == pytest.approx(math.sqrt(2 * 60.0 * mtbf))
+        assert auto["wall_days"] <= mine["fixed 1 h, sync, supervisor"]["wall_days"]
+        fixed = mine["fixed 1 h, sync, supervisor"]["wall_days"]
+        assert fixed < mine["fixed 1 h, sync, manual resubmission"]["wall_days"]
+    # with no failures and no saves the model gives the work itself
+    assert model.completion(3600.0, 3600.0, 0.0, 1e12, 0.0) == pytest.approx(3600.0)
