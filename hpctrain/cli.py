@@ -36,6 +36,12 @@ def build_parser():
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        # First, before the slow imports (torch, mpi4py) and MPI start: a warning signal that
+        # arrives while this rank is still starting must set the stop flag, not kill it
+        # (SIGUSR1's default action). The trainer's own install() keeps the flag.
+        from .job import preemption
+        preemption.install()
     parser = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv or ["--help"])

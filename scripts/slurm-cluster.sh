@@ -88,6 +88,11 @@ JobCompLoc=$DIR/log/jobcomp.txt
 MinJobAge=900
 # seconds between SIGTERM and SIGKILL when a job ends or is cancelled
 KillWait=10
+# slurmctld checks time limits every 30 s: the --signal warning and the end come at those
+# checks. A minute of grace past the limit keeps tests with a real --time=1 from being cut
+# off by that jitter before they have saved and requeued (the warning is unchanged: it is
+# sent relative to the limit itself).
+OverTimeLimit=1
 MailProg=/bin/true
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool

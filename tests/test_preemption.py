@@ -155,3 +155,94 @@ def test_signal_to_mpirun_reaches_the_ranks(tmp_path):
     out = _finish(proc, lines)
     assert proc.returncode == preemption.EXIT_PREEMPTED, out
     assert out.count("(own signal: SIGUSR1)") == 2, out
+
+
+# ---------------------------------------------------------------- a warning during start-up
+
+def test_install_again_keeps_a_signal_received_before():
+    preemption.reset()
+    try:
+        preemption.install()  # as hpctrain.cli.main does, before the slow imports
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        preemption.install()  # as `hpctrain train` does, later
+        assert preemption.stop_requested() and preemption.reason() == "SIGUSR1"
+    finally:
+        preemption.uninstall()
+        preemption.reset()
+
+
+def test_cli_installs_the_handler_before_importing_train(monkeypatch):
+    from hpctrain import cli
+
+    seen = {}
+
+    class Command:
+        @staticmethod
+        def main(argv):
+            return 0
+
+    def import_module(name):
+        seen[name] = signal.getsignal(signal.SIGUSR1)
+        return Command
+
+    before = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setattr(cli.importlib, "import_module", import_module)
+    try:
+        assert cli.main(["train", "x.toml"]) == 0
+        assert seen["hpctrain.training.command"] is preemption._handler
+    finally:
+        preemption.uninstall()
+        preemption.reset()
+    # other commands keep the default handlers: a stop signal still ends them
+    assert cli.main(["report", "x"]) == 0
+    assert seen["hpctrain.monitoring.report"] == before
+
+
+# Runs `-m hpctrain ...`, holding the import of the training module (where torch, mpi4py and
+# MPI start: the slow part of start-up) until this process got a stop signal.
+HOLD_START = textwrap.dedent("""
+    import importlib.abc, runpy, sys, time
+
+    class Hold(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hpctrain.training.command":
+                sys.meta_path.remove(self)
+                from hpctrain.job import preemption
+                print("holding start-up", flush=True)
+                deadline = time.monotonic() + 60
+                while not preemption.stop_requested() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return None
+
+    sys.meta_path.insert(0, Hold())
+    sys.argv = sys.argv[2:]
+    runpy.run_module("hpctrain", run_name="__main__", alter_sys=True)
+""")
+
+
+@pytest.mark.mpi
+def test_a_warning_during_start_up_stops_after_one_step_with_a_checkpoint(tmp_path):
+    """The signal arrives before torch and MPI are up: the rank keeps it as the stop flag
+    (not SIGUSR1's default action, death with status 138), trains one step, saves, exits 3."""
+    from hpctrain.config import load_config
+    from hpctrain.data import generate
+
+    data = tmp_path / "digits.h5"
+    generate(load_config(ROOT / "examples" / "digits.toml", [f"data.path={data}"]).data,
+             load_config(ROOT / "examples" / "digits.toml").model, seed=0)
+    script = tmp_path / "hold_start.py"
+    script.write_text(HOLD_START)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([PYTHON, str(script), "-m", "hpctrain", "train", "examples/digits.toml",
+                             f"data.path={data}", f"run.run_dir={run_dir}", "comm.backend=mpi"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(), cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "holding start-up"
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == preemption.EXIT_PREEMPTED, out
+    assert "stop requested: saving at step 1" in out, out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "ckpt-00000001.h5"

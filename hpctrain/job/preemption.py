@@ -17,6 +17,11 @@ signal, so the trainer agrees at the next step boundary::
             save_checkpoint(requested=True)
             sys.exit(preemption.EXIT_PREEMPTED)
 
+``hpctrain train`` installs the handler first thing (``hpctrain.cli.main``), before torch,
+mpi4py and MPI start: a warning that arrives while a rank is still starting sets the flag
+instead of killing the rank (SIGUSR1's default action, status 138 from srun). Installing again
+later keeps a flag already set, so the first step boundary stops.
+
 The job script (``slurm/preemptible.sbatch``) sees exit status 3 and runs
 ``python -m hpctrain.job.preemption requeue``, which calls ``scontrol requeue`` for this job
 (the ``<array job>_<task>`` id inside a job array).
@@ -46,7 +51,8 @@ def _handler(signum, frame):
 def install(signals=DEFAULT_SIGNALS):
     """Turn ``signals`` into the stop flag on this rank. Call from the main thread.
 
-    Returns the signals installed. Calling it again is harmless.
+    Returns the signals installed. Calling it again is harmless and keeps a signal already
+    received (``hpctrain train`` installs it before its imports, the trainer again later).
     """
     for sig in signals:
         current = signal.getsignal(sig)
