@@ -6,7 +6,8 @@
 Writes ``loss.png`` (training loss and evaluation metrics over steps), ``throughput.png``
 (samples/s over wall time), ``ranks.png`` (work time per step of every rank in every
 interval: a straggler is a bright row), ``checkpoints.png`` (save time of each checkpoint,
-when there are any) and ``summary.txt``, which is also printed. Runs on a login node: only
+when there are any) and ``summary.txt``, which is also printed (with the restarts of
+``hpctrain launch``: cause, rank and host, ranks before and after, steps lost). Runs on a login node: only
 matplotlib (Agg, no display) and numpy are needed.
 
 Each ``plot_*`` function returns a matplotlib ``Figure`` (or ``None`` when the run has no
@@ -200,6 +201,11 @@ def summarize(records):
                               for r in _kind(records, "slow_rank")],
         "divergences": [{"step": r.get("step"), "ranks": r.get("ranks")} for r in _kind(records, "divergence")],
         "nonfinite": [{k: r.get(k) for k in ("step", "action", "tensor")} for r in _kind(records, "nonfinite")],
+        # hpctrain launch: each relaunch after a failure, and why it stopped relaunching
+        "restarts": [{k: r.get(k) for k in ("restart", "cause", "rank", "host", "description", "ranks_before",
+                                            "ranks_after", "failed_step", "resume_step", "steps_lost")}
+                     for r in _kind(records, "restart")],
+        "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")} for r in _kind(records, "launch_stop")],
         "checkpoints": len(_kind(records, "checkpoint")),
         "checkpoint_mean_seconds": float(np.mean(saves)) if saves else None,
         "gather_mean_seconds": float(np.mean([g["seconds"] for g in gathers])) if gathers else None,
@@ -240,6 +246,15 @@ def format_summary(s):
                            if (n := sum(e["action"] == a for e in events)))
         shown = "; ".join(f"step {e['step']} {e['action']} ({e['tensor']})" for e in events[:5])
         lines.append(f"non-finite steps: {len(events)} ({counts}): {shown}" + (" ..." if len(events) > 5 else ""))
+    if s.get("restarts"):
+        events = s["restarts"]
+        lost = sum(e["steps_lost"] or 0 for e in events)
+        shown = "; ".join(f"step {'?' if e['failed_step'] is None else e['failed_step']}: {e['description']}; "
+                          f"{e['ranks_before']} -> {e['ranks_after']} ranks, "
+                          f"{'?' if e['steps_lost'] is None else e['steps_lost']} step(s) lost" for e in events)
+        lines.append(f"restarts: {len(events)} ({lost} step(s) lost in all): {shown}")
+    for stop in s.get("launch_stops") or []:
+        lines.append(f"not restarted: {stop['description']}: {stop['why']}")
     lines.append(f"checkpoints: {s['checkpoints']}, mean save time {num(s['checkpoint_mean_seconds'], '.3f')} s")
     if s["gather_mean_seconds"] is not None:
         lines.append(f"timing gather: {s['gather_mean_seconds'] * 1e3:.2f} ms each, "

@@ -1,0 +1,180 @@
+"""``hpctrain launch`` under a real mpirun: one rank SIGKILLed (or raising) at a random step,
+the supervisor relaunches (at the same size, or one rank fewer with ``--shrink``: 4 -> 3 and
+2 -> 1), the run finishes, every step trained the same samples in the same order, and the
+final parameters equal those of an uninterrupted run with the same global batch (1e-5).
+Restarts exhausted and a configuration error end it with a clear message and no (further)
+relaunch. The restart events are in metrics.jsonl and in ``hpctrain report``.
+
+The failures are placed by tests/mpi/supervised_rank.py (run in place of python through
+``--python``); the kill step is drawn at random and printed (pytest -s), or fixed with
+SUPERVISED_TEST_SEED.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from checkpoint_files import tensors
+from mpi_harness import PYTHON, ROOT, mpi_env, mpirun
+
+pytestmark = [pytest.mark.mpi]
+
+STEPS = 12
+GLOBAL_BATCH = 48  # divisible by 1, 2, 3 and 4 ranks: the same training on each
+LAUNCH_TIMEOUT = 240
+RNG = random.Random(int(os.environ.get("SUPERVISED_TEST_SEED") or random.SystemRandom().randrange(1 << 30)))
+
+
+def overrides(run_dir, digits):
+    return [f"run.run_dir={run_dir}", f"data.path={digits}", f"train.max_steps={STEPS}",
+            f"train.global_batch_size={GLOBAL_BATCH}", "checkpoint.every_steps=3", "comm.backend=mpi",
+            "monitor.log_every=1", "monitor.progress=log", "data.val=none"]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from hpctrain.config import load_config
+    from hpctrain.data import generate
+
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
+    generate(cfg.data, cfg.model, seed=cfg.run.seed)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wrapper(tmp_path_factory):
+    """The executable the supervisor runs as the ranks' Python."""
+    path = tmp_path_factory.mktemp("bin") / "python"
+    path.write_text(f'#!/bin/sh\nexec "{PYTHON}" "{ROOT}/tests/mpi/supervised_rank.py" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def sample_order(order_dir):
+    """{step: the global batch's samples in rank order}, from the last launch that ran each step."""
+    lines = [json.loads(line) for p in Path(order_dir).glob("rank-*.jsonl") for line in p.read_text().splitlines()]
+    by_step = {}
+    for rec in lines:
+        by_step.setdefault(rec["step"], {}).setdefault(rec["launch"], []).append(rec)
+    order = {}
+    for step, launches in by_step.items():
+        last = max(launches.values(), key=lambda recs: max(r["time"] for r in recs))
+        ranks = sorted(last, key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == list(range(ranks[0]["size"])), f"step {step}: ranks missing {ranks}"
+        order[step] = [i for r in ranks for i in r["samples"]]
+    return order
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, digits):
+    """An uninterrupted run on 2 ranks: its sample order and final parameters."""
+    base = tmp_path_factory.mktemp("reference")
+    order_dir = base / "order"
+    order_dir.mkdir()
+    mpirun(2, ["tests/mpi/supervised_rank.py", "-m", "hpctrain", "train", "examples/digits.toml",
+               *overrides(base / "run", digits)], timeout=LAUNCH_TIMEOUT,
+           env={"SUPERVISED_ORDER": str(order_dir)}, check=True)
+    return sample_order(order_dir), final_tensors(base / "run")
+
+
+def final_tensors(run_dir):
+    ckpt = Path(run_dir) / "checkpoints"
+    name = (ckpt / "latest").read_text().strip()
+    assert f"{STEPS:08d}" in name, f"latest is {name}, not the final step {STEPS}"
+    return tensors(ckpt / name)
+
+
+def launch(tmp_path, digits, wrapper, args, env=None, extra=()):
+    """``hpctrain launch ARGS --python WRAPPER examples/digits.toml ...``; (returncode, output)."""
+    order_dir = tmp_path / "order"
+    order_dir.mkdir(exist_ok=True)
+    cmd = [PYTHON, "-m", "hpctrain", "launch", *args, "--python", str(wrapper), "examples/digits.toml",
+           *overrides(tmp_path / "run", digits), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(dict(env or {}, SUPERVISED_ORDER=str(order_dir))),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {LAUNCH_TIMEOUT}s:\n{out[-6000:]}")
+    print(out[-3000:])
+    return proc.returncode, out
+
+
+def metrics(run_dir, kind):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+def assert_same_training(tmp_path, reference):
+    ref_order, ref_tensors = reference
+    assert sample_order(tmp_path / "order") == ref_order, "a step trained other samples than the uninterrupted run"
+    got = final_tensors(tmp_path / "run")
+    assert sorted(got) == sorted(ref_tensors)
+    for name, value in ref_tensors.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("ranks,shrink", [(2, False), (4, True), (2, True)], ids=["2-same", "4-to-3", "2-to-1"])
+def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wrapper, reference, ranks, shrink):
+    kill_step, kill_rank = RNG.randint(2, STEPS - 1), RNG.randrange(ranks)
+    print(f"SIGKILL of rank {kill_rank} at step {kill_step} of {ranks} ranks (shrink {shrink})")
+    code, out = launch(tmp_path, digits, wrapper, ["-n", str(ranks)] + (["--shrink"] if shrink else []),
+                       env={"SUPERVISED_KILL_STEP": str(kill_step), "SUPERVISED_KILL_RANK": str(kill_rank),
+                            "SUPERVISED_MARKER": str(tmp_path / "killed")})
+    assert code == 0, out[-6000:]
+    assert (tmp_path / "killed").exists(), "the kill never happened"
+    after = ranks - 1 if shrink else ranks
+    assert f"rank {kill_rank} on" in out and "killed by signal 9 (SIGKILL)" in out
+    assert f"restart 1 of at most 3: {ranks} -> {after} rank(s)" in out
+    assert "done after 1 restart(s)" in out
+    (restart,) = metrics(tmp_path / "run", "restart")
+    assert (restart["cause"], restart["rank"], restart["signal"], restart["source"]) == ("signal", kill_rank, 9, "mpirun")
+    assert (restart["ranks_before"], restart["ranks_after"]) == (ranks, after)
+    # the kill came as step kill_step began: kill_step - 1 were done; checkpoints every 3 steps
+    resume = (kill_step - 1) // 3 * 3
+    assert (restart["failed_step"], restart["resume_step"], restart["steps_lost"]) == \
+        (kill_step - 1, resume, kill_step - 1 - resume)
+    assert_same_training(tmp_path, reference)
+
+    report = subprocess.run([PYTHON, "-m", "hpctrain", "report", str(tmp_path / "run")], cwd=ROOT, text=True,
+                            capture_output=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    lost = kill_step - 1 - resume
+    assert (f"restarts: 1 ({lost} step(s) lost in all): step {kill_step - 1}: rank {kill_rank} on " in report.stdout
+            and f"killed by signal 9 (SIGKILL); {ranks} -> {after} ranks, {lost} step(s) lost" in report.stdout), \
+        report.stdout
+
+
+def test_restarts_exhausted_stop_with_the_count_and_the_cause(tmp_path, digits, wrapper):
+    """A rank that raises at every launch: its own failure record names it; one restart, then stop."""
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2", "--max-restarts", "1"],
+                       env={"SUPERVISED_KILL_STEP": "2", "SUPERVISED_KILL_RANK": "1", "SUPERVISED_ACTION": "raise"})
+    assert code == 1, out[-6000:]
+    assert out.count("hpctrain launch: relaunching") == 1
+    assert ("rank 1 on" in out and "failed: RuntimeError (exit status 1); giving up: 1 restart(s) done, "
+            "--max-restarts 1: not restarting again" in out), out[-4000:]
+    (restart,) = metrics(tmp_path / "run", "restart")
+    assert (restart["cause"], restart["rank"], restart["error"], restart["source"]) == \
+        ("exception", 1, "RuntimeError", "record")
+    (stop,) = metrics(tmp_path / "run", "launch_stop")
+    assert stop["reason"] == "exhausted" and stop["restarts"] == 1
+    records = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["rank"], r["error"]) for r in records] == [("exception", 1, "RuntimeError")] * 2
+
+
+def test_configuration_error_is_not_restarted(tmp_path, digits, wrapper):
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2"], extra=["train.lr=-1"])
+    assert code == 2, out[-6000:]
+    assert "train.lr = -1.0 must be > 0" in out
+    assert "stopped on bad input: ConfigError (exit status 2): not restarted: a configuration or data error" in out
+    assert "relaunching" not in out
+    (stop,) = metrics(tmp_path / "run", "launch_stop")
+    assert stop["reason"] == "bad_input" and stop["error"] == "ConfigError"
