@@ -178,3 +178,15 @@ def test_configuration_error_is_not_restarted(tmp_path, digits, wrapper):
     assert "relaunching" not in out
     (stop,) = metrics(tmp_path / "run", "launch_stop")
     assert stop["reason"] == "bad_input" and stop["error"] == "ConfigError"
+
+
+def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, reference):
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2"], extra=["train.step_timeout=10"],
+                       env={"SUPERVISED_KILL_STEP": "5", "SUPERVISED_KILL_RANK": "1", "SUPERVISED_ACTION": "hang",
+                            "SUPERVISED_MARKER": str(tmp_path / "hung")})
+    assert code == 0, out[-6000:]
+    assert "hung in step 5 and the watchdog ended the job; restart 1 of at most 3: 2 -> 2 rank(s)" in out
+    (restart,) = metrics(tmp_path / "run", "restart")
+    assert (restart["cause"], restart["status"], restart["step"], restart["source"]) == ("hang", 4, 5, "record")
+    assert (restart["failed_step"], restart["resume_step"], restart["steps_lost"]) == (4, 3, 1)
+    assert_same_training(tmp_path, reference)

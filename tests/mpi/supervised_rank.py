@@ -9,7 +9,8 @@ train ...`` with a failure placed by step, and every rank's samples of every ste
 SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itself as step N
     begins; only once when SUPERVISED_MARKER names a file (created just before the kill, so a
     relaunch runs through), at every launch without it. SUPERVISED_ACTION=raise: raise a
-    RuntimeError there instead (the rank's own failure record, then the abort).
+    RuntimeError there instead (the rank's own failure record, then the abort); =hang: sleep
+    for an hour (the watchdog ends the job).
 SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
     "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
     launcher's pid, the same for every rank of one launch).
@@ -56,8 +57,12 @@ def install():
             if not marker or not os.path.exists(marker):
                 if marker:
                     _append(marker, f"rank {run.world.rank} killed at step {step}\n")
-                if os.environ.get("SUPERVISED_ACTION") == "raise":
+                action = os.environ.get("SUPERVISED_ACTION", "kill")
+                if action == "raise":
                     raise RuntimeError(f"injected failure at step {step}")
+                if action == "hang":
+                    print(f"supervised_rank: rank {run.world.rank}: hangs at step {step}", file=sys.stderr, flush=True)
+                    time.sleep(3600)
                 print(f"supervised_rank: rank {run.world.rank}: SIGKILL at step {step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         if order_dir:
