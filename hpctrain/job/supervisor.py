@@ -282,17 +282,21 @@ class Supervisor:
             if sig is not None:
                 signal.signal(sig, self._forward)
 
+    def command(self, ranks, relaunch):
+        """The launcher's command line for ``ranks`` ranks, without the excluded nodes."""
+        p = self.plan
+        rank_cmd = p.rank_command(relaunch)
+        if isinstance(p.launcher, Srun):
+            hosts = [h for h in (p.hosts or {}) if h not in p.excluded]
+            return p.launcher.command(ranks, hosts, rank_cmd, p.excluded)
+        hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
+        return p.launcher.command(ranks, hosts, rank_cmd)
+
     def launch(self, ranks, relaunch):
         p = self.plan
         os.makedirs(p.run_dir, exist_ok=True)
         env = dict(self.environ, HPCTRAIN_FAILURE_FILE=p.failure_file)
-        rank_cmd = p.rank_command(relaunch)
-        if isinstance(p.launcher, Srun):
-            hosts = [h for h in (p.hosts or {}) if h not in p.excluded]
-            cmd = p.launcher.command(ranks, hosts, rank_cmd, p.excluded)
-        else:
-            hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
-            cmd = p.launcher.command(ranks, hosts, rank_cmd)
+        cmd = self.command(ranks, relaunch)
         offsets = _size(p.failure_file), _size(p.metrics_file)
         _say(f"{'relaunching' if relaunch else 'starting'} {ranks} rank(s): {shlex.join(cmd)}")
         started = time.monotonic()

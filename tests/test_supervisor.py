@@ -1,0 +1,231 @@
+"""``hpctrain launch`` without ranks: what the launchers print (Open MPI's text as captured
+from mpirun 4.1, srun's as Slurm prints it), the diagnosis, the relaunch decisions (nodes left
+out, --shrink, --min-ranks, the global batch), the failure records and the report's lines.
+The real launches are in test_supervisor_mpi.py."""
+import json
+
+import pytest
+
+from hpctrain.config import resolve_global_batch
+from hpctrain.errors import ConfigError
+from hpctrain.job import failure, supervisor
+from hpctrain.job.supervisor import Attempt, Mpirun, Plan, Srun, Supervisor
+
+OMPI_KILLED = """--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+--------------------------------------------------------------------------
+mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+OMPI_EXIT = """--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[22338,1],1]
+  Exit code:    2
+--------------------------------------------------------------------------
+"""
+OMPI_ABORT = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 3 in communicator MPI_COMM_WORLD
+with errorcode 4.
+"""
+SRUN = """srun: error: node02: task 5: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=12.0
+srun: error: node01: tasks 0-2,4: Exited with exit code 1
+"""
+
+
+def test_launcher_events_name_rank_host_and_signal_or_status():
+    assert failure.launcher_events(OMPI_KILLED) == [
+        {"rank": 1, "host": "vm", "signal": 9, "status": None, "source": "mpirun"}]
+    assert failure.launcher_events(OMPI_EXIT) == [
+        {"rank": 1, "host": None, "signal": None, "status": 2, "source": "mpirun"}]
+    assert failure.launcher_events(OMPI_ABORT) == [
+        {"rank": 3, "host": None, "signal": None, "status": 4, "source": "mpirun"}]
+    events = failure.launcher_events(SRUN)
+    assert events[0] == {"rank": 5, "host": "node02", "signal": 9, "status": None, "source": "srun"}
+    assert [(e["rank"], e["host"], e["status"]) for e in events[1:]] == [(r, "node01", 1) for r in (0, 1, 2, 4)]
+
+
+def test_a_killed_rank_is_the_cause_before_the_others_records():
+    records = [{"kind": "exception", "rank": 0, "host": "node01", "status": 1, "error": "RuntimeError", "timestamp": 2}]
+    f = failure.diagnose(1, records, failure.launcher_events(SRUN))
+    assert (f.cause, f.rank, f.host, f.signal, f.restartable, f.source) == ("signal", 5, "node02", 9, True, "srun")
+    assert f.describe() == "rank 5 on node02 was killed by signal 9 (SIGKILL)"
+
+
+@pytest.mark.parametrize("status,cause,restartable", [(2, "bad_input", False), (5, "diverged", False),
+                                                      (3, "stopped", False), (1, "exception", True)])
+def test_the_first_own_record_decides(status, cause, restartable):
+    records = [{"kind": "error", "rank": 1, "error": "RemoteError", "status": 2, "timestamp": 1},  # a consequence
+               {"kind": "error" if status != 1 else "exception", "rank": 2, "host": "n2", "status": status,
+                "error": "X", "timestamp": 3},
+               {"kind": "exception", "rank": 0, "host": "n1", "status": 1, "error": "Y", "timestamp": 4}]
+    f = failure.diagnose(status, records, failure.launcher_events(OMPI_EXIT))
+    assert (f.cause, f.rank, f.host, f.status, f.restartable, f.source) == (cause, 2, "n2", status, restartable, "record")
+
+
+def test_hang_record_and_exit_status_fallbacks():
+    f = failure.diagnose(4, [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 7, "error": "Hang"}])
+    assert (f.cause, f.step, f.restartable) == ("hang", 7, True)
+    assert f.describe() == "rank 0 on n1 hung in step 7 and the watchdog ended the job"
+    f = failure.diagnose(2, [], failure.launcher_events(OMPI_EXIT), hosts=["a", "b"])
+    assert (f.cause, f.rank, f.host, f.restartable) == ("bad_input", 1, "b", False)
+    assert failure.diagnose(137, []).signal == 9 and failure.diagnose(-15, []).signal == 15
+    assert failure.diagnose(4, [], failure.launcher_events(OMPI_ABORT)).cause == "hang"
+
+
+def test_record_appends_one_json_line_when_the_variable_is_set(tmp_path):
+    path = tmp_path / "failures.jsonl"
+    failure.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ={})
+    assert not path.exists()
+    env = {"HPCTRAIN_FAILURE_FILE": str(path)}
+    failure.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ=env)
+    failure.record("hang", rank=0, host="n1", status=4, step=9, environ=env)
+    first, second = failure.read_records(path)
+    assert (first["kind"], first["rank"], first["host"], first["error"], first["message"]) == \
+        ("exception", 3, "n7", "KeyError", "boom")
+    assert (second["kind"], second["step"], second["status"]) == ("hang", 9, 4)
+    assert failure.read_records(path, offset=len(path.read_text().splitlines()[0]) + 1) == [second]
+
+
+def test_abort_on_exception_records_a_configuration_error(tmp_path, monkeypatch):
+    from hpctrain.coordination import abort_on_exception
+
+    monkeypatch.setenv("HPCTRAIN_FAILURE_FILE", str(tmp_path / "f.jsonl"))
+    with pytest.raises(SystemExit) as exit_:
+        with abort_on_exception(None, where="n1"):
+            raise ConfigError("train.lr = -1.0 must be > 0", hint="set train.lr to a positive value")
+    assert exit_.value.code == 2
+    (rec,) = failure.read_records(tmp_path / "f.jsonl")
+    assert (rec["kind"], rec["rank"], rec["host"], rec["status"], rec["error"]) == ("error", 0, "n1", 2, "ConfigError")
+
+
+# ---------------------------------------------------------------- decisions
+class Scripted(Supervisor):
+    """A supervisor whose launches are scripted Attempts; the commands it built are kept."""
+
+    def __init__(self, plan, attempts):
+        super().__init__(plan, environ={})
+        self.attempts, self.commands = list(attempts), []
+
+    def launch(self, ranks, relaunch):
+        self.commands.append(self.command(ranks, relaunch))
+        return self.attempts.pop(0)
+
+
+def plan(tmp_path, launcher, ranks, **kw):
+    return Plan("job.toml", ["train.lr=0.1"], str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"),
+                launcher, ranks, python="py", **kw)
+
+
+def start(hosts):
+    return {"kind": "start", "hosts": hosts}
+
+
+def killed(rank, host, steps=()):
+    text = f"mpirun noticed that process rank {rank} with PID 0 on node {host} exited on signal 9 (Killed)."
+    return Attempt(137, text, [], [start(HOSTS)] + [{"kind": "train", "step": s} for s in steps], 1.0)
+
+
+HOSTS = ["n1", "n1", "n2", "n2", "n3", "n3"]
+
+
+def test_srun_leaves_the_failed_node_out_and_resumes(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "ckpt-00000010.h5").write_bytes(b"")
+    p = plan(tmp_path, Srun(["--cpu-bind=cores"]), 6, hosts={"n1": None, "n2": None, "n3": None}, global_batch=48)
+    sup = Scripted(p, [killed(3, "n2", steps=range(1, 14)), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    first, second = sup.commands
+    assert first[:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "6"] and "--exclude" not in " ".join(first)
+    assert second[:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "4", "--exclude=n2", "-N", "2"]
+    assert second[8:] == ["--cpu-bind=cores", "py", "-m", "hpctrain", "train", "job.toml", "train.lr=0.1",
+                          f"run.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto"]
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (rec["kind"], rec["cause"], rec["rank"], rec["host"], rec["ranks_before"], rec["ranks_after"]) == \
+        ("restart", "signal", 3, "n2", 6, 4)
+    assert (rec["failed_step"], rec["resume_step"], rec["steps_lost"], rec["excluded"]) == (13, 10, 3, ["n2"])
+    assert rec["changes"] == ["global batch 48 kept: 12 per rank x 4 ranks x 1"]
+
+
+def test_mpirun_on_several_hosts_gets_a_host_list_without_the_failed_one(tmp_path):
+    sup = Scripted(plan(tmp_path, Mpirun(["--bind-to", "none"]), 6), [killed(5, "n3"), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    assert sup.commands[0][:3] == ["mpirun", "-n", "6"] and "--host" not in sup.commands[0]
+    assert sup.commands[1][:7] == ["mpirun", "-n", "4", "--host", "n1:2,n2:2", "-x", "HPCTRAIN_FAILURE_FILE"]
+
+
+def test_one_node_relaunches_at_the_same_size_unless_shrink(tmp_path):
+    one = lambda: Attempt(137, OMPI_KILLED, [], [start(["vm"] * 4)], 1.0)  # noqa: E731
+    same = Scripted(plan(tmp_path, Mpirun(), 4), [one(), Attempt(0, "", [], [], 1.0)])
+    assert same.run() == 0 and same.commands[1][:3] == ["mpirun", "-n", "4"]
+    shrunk = Scripted(plan(tmp_path, Mpirun(), 4, shrink=True), [one(), Attempt(0, "", [], [], 1.0)])
+    assert shrunk.run() == 0 and shrunk.commands[1][:3] == ["mpirun", "-n", "3"]
+
+
+def test_shrink_keeps_the_global_batch_on_the_largest_count_that_divides_it(tmp_path, capsys):
+    one = lambda: Attempt(137, OMPI_KILLED, [], [start(["vm"] * 4)], 1.0)  # noqa: E731
+    sup = Scripted(plan(tmp_path, Mpirun(), 4, shrink=True, global_batch=64), [one(), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and sup.commands[1][:3] == ["mpirun", "-n", "2"]
+    assert "train.global_batch_size = 64 does not divide over 3: 2 rank(s)" in capsys.readouterr().err
+    sup = Scripted(plan(tmp_path, Mpirun(), 4, shrink=True, global_batch=64, min_ranks=3), [one()])
+    assert sup.run() == 1
+    err = capsys.readouterr().err
+    assert "giving up: cannot keep the global batch on 3 rank(s): train.global_batch_size = 64 is not divisible" in err
+    assert "HINT: use a multiple of 3" in err
+
+
+def test_min_ranks_and_max_restarts_stop_with_why(tmp_path, capsys):
+    one = lambda: Attempt(137, OMPI_KILLED, [], [start(["vm"] * 2)], 1.0)  # noqa: E731
+    assert Scripted(plan(tmp_path, Mpirun(), 2, shrink=True, min_ranks=2), [one()]).run() == 1
+    assert "giving up: 1 rank(s) would remain, fewer than --min-ranks 2" in capsys.readouterr().err
+    sup = Scripted(plan(tmp_path, Mpirun(), 2, max_restarts=2), [one(), one(), one()])
+    assert sup.run() == 1 and len(sup.commands) == 3
+    assert "giving up: 2 restart(s) done, --max-restarts 2: not restarting again" in capsys.readouterr().err
+
+
+def test_stop_on_request_is_passed_on_and_divergence_is_not_restarted(tmp_path, capsys):
+    stopped = Attempt(3, "", [], [], 1.0)
+    assert Scripted(plan(tmp_path, Mpirun(), 2), [stopped]).run() == 3
+    assert "not restarted: stopped on request after saving (exit status 3)" in capsys.readouterr().err
+    diverged = Attempt(5, "", [{"kind": "error", "rank": 0, "status": 5, "error": "NonFiniteError"}], [], 1.0)
+    assert Scripted(plan(tmp_path, Mpirun(), 2), [diverged]).run() == 5
+    assert "not restarted: training diverged" in capsys.readouterr().err
+
+
+def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert supervisor.main(["examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "-n RANKS was not given" in err and "not started" in err
+    assert supervisor.main(["-n", "2", "examples/digits.toml", "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
+    assert supervisor.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
+    assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
+
+
+def test_resolve_global_batch_raises_the_accumulation_only_when_needed():
+    assert resolve_global_batch(48, 4, 1) == (12, 1, None)
+    batch, accumulation, note = resolve_global_batch(48, 3, 3)
+    assert (batch, accumulation) == (4, 4) and note.startswith("train.accumulation 3 -> 4")
+    with pytest.raises(ConfigError, match="HINT: use a multiple of 3"):
+        resolve_global_batch(64, 3, 1)
+
+
+def test_report_lists_restarts_and_the_stop():
+    from hpctrain.monitoring.report import format_summary, summarize
+
+    records = [{"kind": "start", "timestamp": 0.0, "hosts": ["n1", "n2"]},
+               {"kind": "train", "step": 5, "steps": 5, "loss": 1.0, "timestamp": 1.0},
+               {"kind": "restart", "restart": 1, "cause": "signal", "rank": 1, "host": "n2", "ranks_before": 2,
+                "ranks_after": 1, "failed_step": 5, "resume_step": 4, "steps_lost": 1, "timestamp": 2.0,
+                "description": "rank 1 on n2 was killed by signal 9 (SIGKILL)"},
+               {"kind": "launch_stop", "reason": "exhausted", "why": "1 restart(s) done, --max-restarts 1",
+                "description": "rank 0 on n1 failed: KeyError (exit status 1)", "timestamp": 3.0}]
+    text = format_summary(summarize(records))
+    assert ("restarts: 1 (1 step(s) lost in all): step 5: rank 1 on n2 was killed by signal 9 (SIGKILL); "
+            "2 -> 1 ranks, 1 step(s) lost") in text
+    assert "not restarted: rank 0 on n1 failed: KeyError (exit status 1): 1 restart(s) done, --max-restarts 1" in text
