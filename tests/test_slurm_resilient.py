@@ -1,0 +1,94 @@
+"""slurm/resilient.sbatch on the real single-node Slurm cluster: a rank SIGKILLed mid-run is
+relaunched by `hpctrain launch` inside the same allocation (no requeue, no resubmission) and
+the job finishes; a warning signal still checkpoints and requeues, as preemptible.sbatch does."""
+import json
+import re
+
+import pytest
+
+from mpi_harness import PYTHON, ROOT
+from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of, wait_for_step
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+JOB_TIMEOUT = 300
+STEPS = 40
+
+# HPCTRAIN_VENV stand-in: the ranks (`-m hpctrain train`) run tests/mpi/supervised_rank.py,
+# which kills one rank once at a chosen step; everything else (the supervisor, the requeue
+# helper) runs the plain python.
+VENV_PYTHON = f"""#!/bin/bash
+if [ "$1 $2 $3" = "-m hpctrain train" ]; then exec {PYTHON} {ROOT}/tests/mpi/supervised_rank.py "$@"; fi
+exec {PYTHON} "$@"
+"""
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from hpctrain.config import load_config
+    from hpctrain.data import generate
+
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
+    generate(cfg.data, cfg.model, seed=cfg.run.seed)
+    return path
+
+
+def job_env(cluster, tmp_path, **extra):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(VENV_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    return cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_VENV": str(venv), **extra})
+
+
+def submit(cluster, env, tmp_path, args):
+    return cluster.sbatch(ROOT / "slurm" / "resilient.sbatch", "examples/digits.toml", *args, env=env,
+                          options=[f"--output={tmp_path}/%x-%j.out"])
+
+
+def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path, digits):
+    marker = tmp_path / "killed"
+    env = job_env(slurm_cluster, tmp_path, SUPERVISED_KILL_STEP="17", SUPERVISED_KILL_RANK="1",
+                  SUPERVISED_MARKER=str(marker))
+    job = submit(slurm_cluster, env, tmp_path, [f"data.path={digits}", f"train.max_steps={STEPS}",
+                                                 "checkpoint.every_steps=5", "monitor.log_every=10"])
+    (record,) = slurm_cluster.wait(job, JOB_TIMEOUT)
+    out = output_of(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
+    assert record["Restarts"] == "0", record  # never requeued: relaunched within the allocation
+    assert marker.read_text() == "rank 1 killed at step 17\n"
+    assert "supervised_rank: rank 1: SIGKILL at step 17" in out
+    assert "hpctrain launch: relaunching 2 rank(s): srun --mpi=pmix" in out, out
+    assert "resumed from" in out and "at step 15" in out, out
+    assert f"done at step {STEPS}" in out and "hpctrain launch: done after 1 restart(s)" in out, out
+    assert "(start 2)" not in out and "requeued" not in out
+
+    run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
+    final = latest_checkpoint(run_dir)
+    assert final.name == f"ckpt-{STEPS:08d}.h5"
+    check = ckpt_verify(final)
+    assert check.returncode == 0, check.stdout + check.stderr
+    restarts = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if r.get("kind") == "restart"]
+    assert len(restarts) == 1, restarts
+
+
+def test_warning_signal_checkpoints_and_requeues_through_the_supervisor(slurm_cluster, tmp_path, digits):
+    env = job_env(slurm_cluster, tmp_path)
+    steps = 150
+    job = submit(slurm_cluster, env, tmp_path, [f"data.path={digits}", f"train.max_steps={steps}",
+                                                 "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+                                                 "monitor.log_every=10"])
+    wait_for_step(slurm_cluster, tmp_path, job, 30)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    (record,) = slurm_cluster.wait(job, JOB_TIMEOUT)
+    out = output_of(tmp_path, job)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out}"
+    first, second = out.split("(start 2)")
+    stop = int(re.search(r"stop requested: saving at step (\d+)", first).group(1))
+    assert "exit status 3" in first and f"requeued Slurm job {job}" in first, out
+    assert "relaunching" not in first, out  # a requested stop is passed on, not relaunched
+    assert f"resumed from" in second and f"done at step {steps}" in second, out
+    assert latest_checkpoint(tmp_path / "runs" / f"hpctrain-resilient-{job}").name == f"ckpt-{steps:08d}.h5"
+    assert stop < steps
