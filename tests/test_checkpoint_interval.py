@@ -49,11 +49,11 @@ def test_young_daly_interval_is_sqrt_2_c_mtbf():
 
 
 def test_with_both_rules_the_more_frequent_wins():
-    # Young/Daly wants sqrt(2 x 1 x 3600) = 85 s = 849 steps; a 10% budget allows every 112 steps
+    # Young/Daly wants sqrt(2 x 1 x 3600) = 85 s = 849 steps; a 10% budget allows every 125 steps
     auto = measured(AutoInterval(max_overhead=0.1, mtbf_hours=1), step=0.1, save=1.0)
     auto.due(0)
-    assert (auto.steps, auto.why) == (112, "budget")
-    # frequent failures: Young/Daly (sqrt(2 x 1 x 36) = 8.5 s = 85 steps) beats a 0.1% budget (11112 steps)
+    assert (auto.steps, auto.why) == (125, "budget")
+    # frequent failures: Young/Daly (sqrt(2 x 1 x 36) = 8.5 s = 85 steps) beats a 0.1% budget (12500 steps)
     auto = measured(AutoInterval(max_overhead=0.001, mtbf_hours=0.01), step=0.1, save=1.0)
     auto.due(0)
     assert (auto.steps, auto.why) == (85, "mtbf")
@@ -90,10 +90,13 @@ def test_retuned_when_the_costs_drift_and_each_change_logged():
         auto.observe_save(0.6)
     auto.due(0)
     assert auto.steps > first and len(auto.changes) == 2 and f"was every {first}" in auto.changes[1]
-    # steps become 4x slower (the median of the window): shorter
+    # steps become 4x slower (the median of the window): shorter, from the next save on
     longer = auto.steps
     for _ in range(64):
         auto.observe_step(0.08)
+    auto.due(0)
+    assert auto.steps == longer
+    auto.observe_save(0.6)
     auto.due(0)
     assert auto.steps < longer / 3 and len(auto.changes) == 3
 
@@ -103,8 +106,17 @@ def test_one_slow_step_does_not_move_the_interval():
     auto.due(0)
     first = auto.steps
     auto.observe_step(5.0)  # a stall: the median does not see it
+    auto.observe_save(0.3)
     auto.due(0)
     assert auto.steps == first
+
+
+def test_a_save_before_any_timed_step_does_not_stop_the_tuning():
+    auto = AutoInterval(max_overhead=0.1)
+    auto.observe_save(0.3)  # e.g. a save requested at the first step
+    assert not auto.due(0) and auto.steps is None
+    measured(auto, step=0.02, save=None)
+    assert auto.due(10_000) and auto.steps == 188
 
 
 def test_needs_a_rule():
@@ -151,11 +163,11 @@ def test_config_auto_interval_errors_name_field_value_and_fix(overrides, words):
 
 
 def test_async_interval_at_least_the_background_write():
-    # an async save blocks 10 ms: the budget alone would save every 6 steps (0.12 s), but the
+    # an async save blocks 10 ms: the budget alone would save every 7 steps (0.14 s), but the
     # background write takes 1 s, and a save started before it ends would wait for it
     auto = measured(AutoInterval(max_overhead=0.1), step=0.02, save=0.01)
     auto.due(0)
-    assert (auto.steps, auto.why) == (6, "budget")
+    assert (auto.steps, auto.why) == (7, "budget")
     auto.observe_write(1.0)
     auto.due(0)
     assert (auto.steps, auto.why) == (50, "async_write") and "background write 1 s" in auto.changes[-1]

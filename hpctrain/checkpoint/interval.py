@@ -6,8 +6,8 @@ a synchronous save's whole write, an asynchronous one's snapshot plus any wait f
 previous write) and the step time T (seconds between saves' ends and the next call, per
 step, saves excluded):
 
-* overhead budget ``max_overhead`` = b: save every N = ceil(C / (0.9 b T)) steps, so that
-  C / (N T) stays under b (the 0.9 leaves room for noise in the estimates);
+* overhead budget ``max_overhead`` = b: save every N = ceil(C / (0.8 b T)) steps, so that
+  C / (N T) stays under b while the estimates drift by up to 1.25 (see below);
 * failure rate ``mtbf_hours`` = M (Young/Daly): the interval that minimises expected save
   cost plus lost work, sqrt(2 C M) seconds, N = round(sqrt(2 C M) / T) steps.
 
@@ -18,9 +18,10 @@ too): a save that starts earlier waits for the previous one, and that wait is co
 ``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
 
 C is the mean of the last few saves (a budget pays the slow ones too), T the median of the
-last steps. The interval is re-tuned when the one the current estimates call for differs
-from it: at once when it is longer by more than 1 / :data:`BUDGET_AIM` (the budget would
-be broken), when it is shorter by more than a factor :data:`RETUNE_FACTOR`.
+last steps. After each save (when C has a new sample) the interval is re-tuned if the one
+the estimates call for is longer than the current by more than 1 / :data:`BUDGET_AIM` (the
+budget would be broken) or shorter by more than :data:`SHORTER_FACTOR`; smaller changes
+are noise, and each change is logged.
 
 >>> auto = AutoInterval(max_overhead=0.1)
 >>> for _ in range(PROBE_STEPS):
@@ -28,8 +29,8 @@ be broken), when it is shorter by more than a factor :data:`RETUNE_FACTOR`.
 >>> auto.due(steps_since_save=5)      # no save measured yet: the first one is due now
 True
 >>> auto.observe_save(0.3)
->>> auto.due(steps_since_save=1), auto.steps   # ceil(0.3 / (0.9 x 0.1 x 0.02)) = 167
-(False, 167)
+>>> auto.due(steps_since_save=1), auto.steps   # ceil(0.3 / (0.8 x 0.1 x 0.02)) = 188
+(False, 188)
 """
 import math
 import statistics
@@ -38,8 +39,8 @@ from collections import deque
 PROBE_STEPS = 5  # steps timed before the first save, which measures the save cost
 STEP_WINDOW = 64  # recent step times whose median is T
 SAVE_WINDOW = 5  # recent save costs whose mean is C
-RETUNE_FACTOR = 1.3  # re-tune when the wanted interval is this much shorter than the current
-BUDGET_AIM = 0.9  # of max_overhead: estimates are noisy, the budget is a maximum
+BUDGET_AIM = 0.8  # of max_overhead: it is a maximum, and the estimates drift between re-tunings
+SHORTER_FACTOR = 1.5  # re-tune when the wanted interval is this much shorter than the current
 
 
 class AutoInterval:
@@ -62,6 +63,7 @@ class AutoInterval:
         self._writes = deque(maxlen=SAVE_WINDOW)
         self.steps = None
         self.why = None
+        self._tuned = True  # the interval fits the latest save cost
         self.changes = []
 
     # -- measurements
@@ -75,11 +77,13 @@ class AutoInterval:
         """A save blocked training for ``seconds``."""
         if seconds >= 0:
             self._saves.append(seconds)
+        self._tuned = False
 
     def observe_write(self, seconds):
         """A background (``async_save``) write took ``seconds`` from start to durable."""
         if seconds >= 0:
             self._writes.append(seconds)
+            self._tuned = False
 
     @property
     def write_time(self):
@@ -118,21 +122,23 @@ class AutoInterval:
         process started, when it has not saved)? Re-tunes first."""
         if self.save_cost is None:
             return len(self._steps) >= PROBE_STEPS
-        self._retune()
+        if not self._tuned:
+            self._tuned = self._retune()
         return self.steps is not None and steps_since_save >= self.steps
 
     def _retune(self):
+        """Choose the interval again if it has moved enough; False while no step is timed."""
         cost, step = self.save_cost, self.step_time
         if step is None:
-            return
+            return False
         steps, why = self.wanted(cost, step)
-        # Longer as soon as the current interval would break the budget; shorter only
-        # after a clear change, so that noise does not move it back and forth.
-        if self.steps is not None and self.steps / RETUNE_FACTOR <= steps <= self.steps / BUDGET_AIM:
-            return
+        # Small changes are noise: the budget aims low enough to absorb them.
+        if self.steps is not None and self.steps / SHORTER_FACTOR <= steps <= self.steps / BUDGET_AIM:
+            return True
         before = self.steps
         self.steps, self.why = steps, why
         self.changes.append(self.describe(cost, step, before))
+        return True
 
     def describe(self, cost, step, before=None):
         """The log line of the current interval."""
