@@ -205,6 +205,9 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
     assert "train.nope" in capsys.readouterr().err
     assert supervisor.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
     assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert supervisor.main(["-n", "2", "examples/digits.toml"]) == 2
+    assert "mpirun is not on PATH" in capsys.readouterr().err
 
 
 def test_resolve_global_batch_raises_the_accumulation_only_when_needed():

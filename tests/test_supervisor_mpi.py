@@ -190,3 +190,30 @@ def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, ref
     assert (restart["cause"], restart["status"], restart["step"], restart["source"]) == ("hang", 4, 5, "record")
     assert (restart["failed_step"], restart["resume_step"], restart["steps_lost"]) == (4, 3, 1)
     assert_same_training(tmp_path, reference)
+
+
+def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path, digits, wrapper):
+    """SIGUSR1 to the supervisor (as Slurm's warning signal to the batch script): the ranks save
+    and exit 3, and the supervisor exits 3 without relaunching, so that a job script can requeue."""
+    import time
+
+    order_dir = tmp_path / "order"
+    order_dir.mkdir()
+    cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
+           *overrides(tmp_path / "run", digits), "train.max_steps=0"]
+    env = mpi_env({"SUPERVISED_ORDER": str(order_dir), "SUPERVISED_STEP_SLEEP": "0.2"})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not list(order_dir.glob("rank-*.jsonl")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(out[-3000:])
+    assert proc.returncode == 3, out[-6000:]
+    assert "stopped by signal 10 (passed on to the ranks): not restarted; exit status 3" in out
+    assert "stop requested: saving at step" in out and "relaunching" not in out

@@ -242,6 +242,10 @@ def make_plan(args, environ=None):
                               hint="e.g. hpctrain launch -n 4 CONFIG (inside an allocation srun's tasks decide)")
         ranks = args.n
         launcher = Mpirun(extra)
+    if shutil.which(launcher.name, path=env.get("PATH")) is None:
+        raise ConfigError(f"{launcher.name} is not on PATH: cannot start the ranks",
+                          hint="load the MPI (or Slurm) module that hpctrain was built against, e.g. "
+                               "`module load openmpi`, then launch again")
     if args.min_ranks < 1 or args.min_ranks > ranks:
         raise ConfigError(f"--min-ranks {args.min_ranks} must be between 1 and the {ranks} ranks started",
                           hint=f"e.g. --min-ranks {max(1, ranks // 2)}")

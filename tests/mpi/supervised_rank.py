@@ -11,6 +11,7 @@ SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itsel
     relaunch runs through), at every launch without it. SUPERVISED_ACTION=raise: raise a
     RuntimeError there instead (the rank's own failure record, then the abort); =hang: sleep
     for an hour (the watchdog ends the job).
+SUPERVISED_STEP_SLEEP=S: sleep S seconds in every step (a run long enough to signal).
 SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
     "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
     launcher's pid, the same for every rank of one launch).
@@ -49,6 +50,7 @@ def install():
     kill_rank = int(os.environ.get("SUPERVISED_KILL_RANK") or 0)
     marker = os.environ.get("SUPERVISED_MARKER")
     order_dir = os.environ.get("SUPERVISED_ORDER")
+    step_sleep = float(os.environ.get("SUPERVISED_STEP_SLEEP") or 0)
     original = trainer.Trainer._train_step
 
     def _train_step(self, run, micro_batches):
@@ -70,6 +72,8 @@ def install():
             _append(os.path.join(order_dir, f"rank-{run.world.rank}-{os.getpid()}.jsonl"),
                     json.dumps({"launch": os.getppid(), "time": time.time(), "step": step, "rank": run.world.rank,
                                 "size": run.world.size, "samples": samples}) + "\n")
+        if step_sleep:
+            time.sleep(step_sleep)
         return original(self, run, micro_batches)
 
     trainer.Trainer._train_step = _train_step
