@@ -32,13 +32,13 @@ def chosen(stdout):
     return [(int(n), why) for n, why in found]
 
 
-def overhead_after_first_save(record):
+def overhead_after_first_save(record, to_last_save=False):
     """Seconds training waited for saves / wall time, from the end of the first save (which
-    measured the save cost) to the last step."""
+    measured the save cost) to the last step (or the end of the last save)."""
     ends = dict(record["steps"])
-    first = record["saves"][0][0]
+    first, last = record["saves"][0][0], record["saves"][-1][0]
     blocked = sum(seconds for _, seconds, _ in record["saves"][1:])
-    return blocked / (record["steps"][-1][1] - ends[first])
+    return blocked / ((ends[last] if to_last_save else record["steps"][-1][1]) - ends[first])
 
 
 def step_time(record):
@@ -61,7 +61,9 @@ def test_overhead_budget_holds_in_a_run_with_a_known_save_cost(tmp_path):
     assert {b - a for a, b in zip(saves, saves[1:])} <= {n for n, _ in intervals}
     overhead = overhead_after_first_save(record)
     assert overhead <= budget, (overhead, record["saves"])
-    assert overhead >= budget / 3, (overhead, record["saves"])  # and it saves as often as the budget allows
+    # and it saves about as often as the budget allows (it aims at 0.8 of it)
+    between = overhead_after_first_save(record, to_last_save=True)
+    assert budget / 2 <= between <= budget, (between, record["saves"])
 
 
 def test_mtbf_interval_matches_young_daly(tmp_path):
