@@ -89,6 +89,7 @@ def test_async_save_is_cheap_and_not_started_before_the_last_write_ends(tmp_path
     assert last_n < sync_steps / 2, (last_n, sync_steps)
     assert "background write" in stdout
     assert last_n * step_time(record) >= SAVE_SLEEP  # no save starts while the last is being written
-    late = [seconds for _, seconds, _ in record["saves"][len(saves) // 2:]]
-    assert statistics.median(late) < SAVE_SLEEP / 5, record["saves"]  # training does not wait for the write
+    # Once a background write has been timed (from the third save on), no save waits for the
+    # previous write: each blocks for its snapshot only, far less than the write.
+    assert max(seconds for _, seconds, _ in record["saves"][2:]) < SAVE_SLEEP / 2, record["saves"]
     assert overhead_after_first_save(record) <= budget, record["saves"]
