@@ -232,3 +232,18 @@ def test_report_lists_restarts_and_the_stop():
     assert ("restarts: 1 (1 step(s) lost in all): step 5: rank 1 on n2 was killed by signal 9 (SIGKILL); "
             "2 -> 1 ranks, 1 step(s) lost") in text
     assert "not restarted: rank 0 on n1 failed: KeyError (exit status 1): 1 restart(s) done, --max-restarts 1" in text
+
+
+def test_a_hang_on_several_nodes_is_relaunched_on_the_same_nodes(tmp_path):
+    hang = Attempt(4, "", [{"kind": "hang", "rank": 2, "host": "n2", "status": 4, "step": 3, "timestamp": 1}],
+                   [start(HOSTS)], 1.0)
+    sup = Scripted(plan(tmp_path, Mpirun(), 6), [hang, Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and sup.commands[1][:3] == ["mpirun", "-n", "6"] and "--host" not in sup.commands[1]
+
+
+def test_linear_lr_scaling_is_named_when_the_rank_count_changes(tmp_path, capsys):
+    one = Attempt(137, OMPI_KILLED, [], [start(["vm"] * 2)], 1.0)
+    sup = Scripted(plan(tmp_path, Mpirun(), 2, shrink=True, global_batch=48, lr_scaling="linear"),
+                   [one, Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    assert 'train.lr_scaling = "linear": the learning rate is train.lr x 1 now, not x 2' in capsys.readouterr().err

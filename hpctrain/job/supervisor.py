@@ -17,8 +17,9 @@ for a rank killed by a signal, which writes nothing, what mpirun or srun printed
   the same run would fail the same way; it says so and exits with that status;
 * anything else (an exception on one rank, a rank killed, a hang the watchdog ended, exit 4)
   is relaunched, at most ``--max-restarts`` times: without the failed node when the job spans
-  several (``srun --exclude``, or an mpirun host list without it); on one node at the same
-  size, or one rank fewer with ``--shrink``; never on fewer than ``--min-ranks``.
+  several (``srun --exclude``, or an mpirun host list without it; not for a hang, which names
+  no culprit: every rank's watchdog fires); on one node at the same size, or one rank fewer
+  with ``--shrink``; never on fewer than ``--min-ranks``.
 
 With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so
 the sample order and the training (``config.resolve_global_batch``: the per-rank batch or the
@@ -184,6 +185,7 @@ class Plan:
     python: str = sys.executable
     global_batch: int = 0
     accumulation: int = 1
+    lr_scaling: str = "none"
     excluded: list = field(default_factory=list)
 
     def rank_command(self, relaunch):
@@ -257,7 +259,8 @@ def make_plan(args, environ=None):
     overrides = [o for o in args.overrides if not o.strip().startswith("run.run_dir=")]
     return Plan(args.config, overrides, run_dir, cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints"),
                 launcher, ranks, hosts, args.max_restarts, args.min_ranks, args.shrink,
-                args.python or sys.executable, cfg.train.global_batch_size, cfg.train.accumulation)
+                args.python or sys.executable, cfg.train.global_batch_size, cfg.train.accumulation,
+                cfg.train.lr_scaling)
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -339,6 +342,10 @@ class Supervisor:
             after, why = self._next_ranks(failed, ranks, hosts)
             if after is None:
                 return self._give_up(failed, why, restarts, ranks)
+            if self.stop_signal is not None:  # sent while deciding: stop instead, for the job script to requeue
+                _say(f"{failed.describe()}; stopped by signal {self.stop_signal} before relaunching: not restarted; "
+                     f"exit status {fail.EXIT_STOPPED} (a new job resumes from the newest checkpoint)")
+                return fail.EXIT_STOPPED
             restarts += 1
             self._record_restart(restarts, failed, ranks, after, attempt, why)
             ranks = after
@@ -369,7 +376,8 @@ class Supervisor:
         p = self.plan
         spread = sorted(set(hosts)) if hosts else sorted(h for h in (p.hosts or {}) if h not in p.excluded)
         after, why = ranks, "same size"
-        if len(spread) > 1 and failed.host in spread:
+        # A hang names no culprit (every rank's watchdog fires, each in a collective): same nodes.
+        if len(spread) > 1 and failed.host in spread and failed.cause != "hang":
             lost = hosts.count(failed.host) if hosts else max(1, ranks // len(spread))
             p.excluded.append(failed.host)
             if p.hosts is None or isinstance(p.launcher, Mpirun):
@@ -427,6 +435,10 @@ class Supervisor:
                 changes.append("train.global_batch_size is not set: the global batch changes with the rank count, "
                                "so the training is not the one of the first launch (set train.global_batch_size "
                                "to keep it)")
+            if p.lr_scaling == "linear":
+                changes.append(f"train.lr_scaling = \"linear\": the learning rate is train.lr x {after} now, not "
+                               f"x {before} (set train.lr_scaling = \"none\" and the learning rate you want to "
+                               f"keep the training the same on any number of ranks)")
         _say(f"{failed.describe()}; restart {n} of at most {p.max_restarts}: {before} -> {after} rank(s) ({why}); "
              f"resuming from step {resume}, {'?' if lost is None else lost} step(s) lost"
              + "".join(f"; {c}" for c in changes))
