@@ -247,3 +247,14 @@ def test_linear_lr_scaling_is_named_when_the_rank_count_changes(tmp_path, capsys
                    [one, Attempt(0, "", [], [], 1.0)])
     assert sup.run() == 0
     assert 'train.lr_scaling = "linear": the learning rate is train.lr x 1 now, not x 2' in capsys.readouterr().err
+
+
+def test_validate_says_what_it_changed_to_keep_the_global_batch():
+    from hpctrain.config import load_config, validate
+
+    cfg = load_config(None, ["data.path=x.h5", "train.global_batch_size=48", "train.accumulation=5"], environ={})
+    resolved = validate(cfg, world_size=3)
+    assert (resolved.train.batch_size, resolved.train.accumulation) == (2, 8)
+    assert resolved.notes == ("train.accumulation 5 -> 8: the global batch 48 over 3 ranks is 16 per rank, which 5 "
+                              "micro-batches do not divide",)
+    assert "notes" not in resolved.to_toml() and not hasattr(validate(cfg, world_size=4), "notes")

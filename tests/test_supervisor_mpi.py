@@ -122,18 +122,24 @@ def assert_same_training(tmp_path, reference):
         np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("ranks,shrink", [(2, False), (4, True), (2, True)], ids=["2-same", "4-to-3", "2-to-1"])
-def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wrapper, reference, ranks, shrink):
+# 4 -> 3 with train.accumulation=3: 12 samples per rank are 3 micro-batches of 4, then 16 per rank
+# are 4 of 4 (the accumulation is raised, and said); the reference runs 2 ranks x 24 x 1.
+@pytest.mark.parametrize("ranks,shrink,extra,said", [
+    (2, False, [], "restart 1 of at most 3: 2 -> 2 rank(s) (same size)"),
+    (4, True, ["train.accumulation=3"], "global batch 48 kept: 4 per rank x 3 ranks x 4 (train.accumulation 3 -> 4"),
+    (2, True, [], "global batch 48 kept: 48 per rank x 1 ranks x 1")], ids=["2-same", "4-to-3", "2-to-1"])
+def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wrapper, reference, ranks, shrink,
+                                                            extra, said):
     kill_step, kill_rank = RNG.randint(2, STEPS - 1), RNG.randrange(ranks)
     print(f"SIGKILL of rank {kill_rank} at step {kill_step} of {ranks} ranks (shrink {shrink})")
     code, out = launch(tmp_path, digits, wrapper, ["-n", str(ranks)] + (["--shrink"] if shrink else []),
                        env={"SUPERVISED_KILL_STEP": str(kill_step), "SUPERVISED_KILL_RANK": str(kill_rank),
-                            "SUPERVISED_MARKER": str(tmp_path / "killed")})
+                            "SUPERVISED_MARKER": str(tmp_path / "killed")}, extra=extra)
     assert code == 0, out[-6000:]
     assert (tmp_path / "killed").exists(), "the kill never happened"
     after = ranks - 1 if shrink else ranks
     assert f"rank {kill_rank} on" in out and "killed by signal 9 (SIGKILL)" in out
-    assert f"restart 1 of at most 3: {ranks} -> {after} rank(s)" in out
+    assert f"restart 1 of at most 3: {ranks} -> {after} rank(s)" in out and said in out
     assert "done after 1 restart(s)" in out
     (restart,) = metrics(tmp_path / "run", "restart")
     assert (restart["cause"], restart["rank"], restart["signal"], restart["source"]) == ("signal", kill_rank, 9, "mpirun")
