@@ -257,6 +257,9 @@ def make_plan(args, environ=None):
         resolve_global_batch(cfg.train.global_batch_size, ranks, cfg.train.accumulation)
     run_dir = os.path.abspath(cfg.run.run_dir) if cfg.run.run_dir else _new_run_dir(cfg)
     overrides = [o for o in args.overrides if not o.strip().startswith("run.run_dir=")]
+    if not cfg.train.step_timeout and not float(env.get("HPCTRAIN_WATCHDOG_TIMEOUT") or 0):
+        _say("note: no watchdog (train.step_timeout = 0): a hung job is not ended, so not relaunched either.\n"
+             "HINT: set train.step_timeout (seconds a step or a checkpoint save may take), e.g. train.step_timeout=600")
     return Plan(args.config, overrides, run_dir, cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints"),
                 launcher, ranks, hosts, args.max_restarts, args.min_ranks, args.shrink,
                 args.python or sys.executable, cfg.train.global_batch_size, cfg.train.accumulation,
@@ -476,7 +479,8 @@ def build_parser():
                                  "allocation, else mpirun) and relaunch the job from its newest checkpoint "
                                  "when it fails.",
         epilog="example: hpctrain launch -n 4 --max-restarts 3 --shrink examples/digits.toml "
-               "train.global_batch_size=48")
+               "train.global_batch_size=48 train.step_timeout=300. Set train.global_batch_size to keep the "
+               "training the same on fewer ranks, and train.step_timeout to have a hang ended and relaunched.")
     parser.add_argument("-n", type=int, default=None, metavar="RANKS",
                         help="ranks to start (outside Slurm; inside an allocation its tasks decide)")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="N", help="relaunches at most (default 3)")
