@@ -64,7 +64,8 @@ def test_the_first_own_record_decides(status, cause, restartable):
                 "error": "X", "timestamp": 3},
                {"kind": "exception", "rank": 0, "host": "n1", "status": 1, "error": "Y", "timestamp": 4}]
     f = failure.diagnose(status, records, failure.launcher_events(OMPI_EXIT))
-    assert (f.cause, f.rank, f.host, f.status, f.restartable, f.source) == (cause, 2, "n2", status, restartable, "record")
+    assert (f.cause, f.rank, f.host, f.status, f.restartable, f.source) == \
+        (cause, 2, "n2", status, restartable, "record")
 
 
 def test_hang_record_and_exit_status_fallbacks():

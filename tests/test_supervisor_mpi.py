@@ -142,7 +142,8 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
     assert f"restart 1 of at most 3: {ranks} -> {after} rank(s)" in out and said in out
     assert "done after 1 restart(s)" in out
     (restart,) = metrics(tmp_path / "run", "restart")
-    assert (restart["cause"], restart["rank"], restart["signal"], restart["source"]) == ("signal", kill_rank, 9, "mpirun")
+    assert (restart["cause"], restart["rank"], restart["signal"], restart["source"]) == \
+        ("signal", kill_rank, 9, "mpirun")
     assert (restart["ranks_before"], restart["ranks_after"]) == (ranks, after)
     # the kill came as step kill_step began: kill_step - 1 were done; checkpoints every 3 steps
     resume = (kill_step - 1) // 3 * 3

@@ -2,13 +2,11 @@
 are started with ``srun --mpi=pmix``, one is SIGKILLed at a random step, srun's report names
 the task and node, the supervisor relaunches with srun on the same allocation, and the run
 trains the same samples to the same parameters as an uninterrupted one."""
-import json
-import os
-
 import pytest
 
 from mpi_harness import PYTHON, ROOT
-from test_supervisor_mpi import RNG, STEPS, assert_same_training, digits, metrics, overrides, reference, wrapper  # noqa: F401
+from test_supervisor_mpi import (RNG, STEPS, assert_same_training, digits, metrics, overrides,  # noqa: F401
+                                 reference, wrapper)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -24,7 +22,8 @@ def test_killed_task_is_relaunched_with_srun(slurm_cluster, tmp_path, digits, wr
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks=2\n#SBATCH --cpus-per-task=1\n"
                       f"cd {ROOT}\nexec {PYTHON} -m hpctrain launch {args}\n")
     env = slurm_cluster.env({"SUPERVISED_KILL_STEP": str(kill_step), "SUPERVISED_KILL_RANK": str(kill_rank),
-                             "SUPERVISED_MARKER": str(tmp_path / "killed"), "SUPERVISED_ORDER": str(tmp_path / "order")})
+                             "SUPERVISED_MARKER": str(tmp_path / "killed"),
+                             "SUPERVISED_ORDER": str(tmp_path / "order")})
     job = slurm_cluster.sbatch(script, env=env, options=[f"--output={tmp_path}/job.out"])
     (record,) = slurm_cluster.wait(job, JOB_TIMEOUT)
     out = (tmp_path / "job.out").read_text()

@@ -335,7 +335,8 @@ class Supervisor:
             failed = fail.diagnose(attempt.returncode, attempt.records, fail.launcher_events(attempt.tail), hosts)
             if self.stop_signal is not None:
                 status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
-                _say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; exit status {status}")
+                _say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; "
+                     f"exit status {status}")
                 return status
             if not failed.restartable:
                 return self._no_restart(failed)

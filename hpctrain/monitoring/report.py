@@ -205,7 +205,8 @@ def summarize(records):
         "restarts": [{k: r.get(k) for k in ("restart", "cause", "rank", "host", "description", "ranks_before",
                                             "ranks_after", "failed_step", "resume_step", "steps_lost")}
                      for r in _kind(records, "restart")],
-        "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")} for r in _kind(records, "launch_stop")],
+        "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")}
+                         for r in _kind(records, "launch_stop")],
         "checkpoints": len(_kind(records, "checkpoint")),
         "checkpoint_mean_seconds": float(np.mean(saves)) if saves else None,
         "gather_mean_seconds": float(np.mean([g["seconds"] for g in gathers])) if gathers else None,
