@@ -233,6 +233,10 @@ def test_report_lists_restarts_and_the_stop():
     assert ("restarts: 1 (1 step(s) lost in all): step 5: rank 1 on n2 was killed by signal 9 (SIGKILL); "
             "2 -> 1 ranks, 1 step(s) lost") in text
     assert "not restarted: rank 0 on n1 failed: KeyError (exit status 1): 1 restart(s) done, --max-restarts 1" in text
+    from hpctrain.monitoring.report import plot_loss
+
+    labels = [line.get_label() for line in plot_loss(records).axes[0].get_lines()]
+    assert "failure, relaunched (hpctrain launch)" in labels
 
 
 def test_a_hang_on_several_nodes_is_relaunched_on_the_same_nodes(tmp_path):

@@ -72,6 +72,9 @@ def plot_loss(records):
     for i, r in enumerate(_kind(records, "nonfinite")):  # a mark where a step was not finite
         ax_loss.axvline(r.get("step", 0), color="red", linestyle=":", linewidth=1,
                         label="non-finite step" if i == 0 else None)
+    for i, r in enumerate(r for r in _kind(records, "restart") if r.get("failed_step") is not None):
+        ax_loss.axvline(r["failed_step"], color="black", linestyle="--", linewidth=1,
+                        label="failure, relaunched (hpctrain launch)" if i == 0 else None)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     positive = [r["loss"] for r in train if r["loss"] > 0] + [r["val_loss"] for r in losses if r["val_loss"] > 0]
     if positive and max(positive) / min(positive) > 100:
