@@ -56,6 +56,16 @@ def test_a_killed_rank_is_the_cause_before_the_others_records():
     assert f.describe() == "rank 5 on node02 was killed by signal 9 (SIGKILL)"
 
 
+def test_tasks_srun_killed_after_a_failure_are_not_the_cause():
+    text = "srun: error: node01: task 1: Exited with exit code 1\nsrun: error: node02: task 0: Killed\n"
+    assert [e["rank"] for e in failure.launcher_events(text)] == [1, 0]
+    records = [{"kind": "exception", "rank": 1, "host": "node01", "status": 1, "error": "KeyError", "timestamp": 1}]
+    f = failure.diagnose(1, records, failure.launcher_events(text))
+    assert (f.cause, f.rank, f.host, f.error, f.source) == ("exception", 1, "node01", "KeyError", "record")
+    f = failure.diagnose(1, [], failure.launcher_events(text))
+    assert (f.cause, f.rank, f.host, f.status, f.source) == ("failure", 1, "node01", 1, "srun")
+
+
 @pytest.mark.parametrize("status,cause,restartable", [(2, "bad_input", False), (5, "diverged", False),
                                                       (3, "stopped", False), (1, "exception", True)])
 def test_the_first_own_record_decides(status, cause, restartable):

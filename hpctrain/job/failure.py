@@ -96,18 +96,19 @@ def _task_ranks(text):
 
 def launcher_events(text):
     """``[{"rank", "host", "signal", "status", "source"}]``: what ``mpirun`` or ``srun`` said
-    about ranks that died, in the order printed (``host`` or ``signal`` ``None`` when not said)."""
-    events = []
+    about ranks that died, in the order printed (``host`` or ``signal`` ``None`` when not said).
+    The first is what happened first; srun then reports the tasks it killed because of it."""
+    found = []  # (position in the text, event)
     for m in _OMPI_SIGNAL.finditer(text):
         host = m.group(2).rstrip(".,")
-        events.append({"rank": int(m.group(1)), "host": host, "signal": int(m.group(3)), "status": None,
-                       "source": "mpirun"})
+        found.append((m.start(), {"rank": int(m.group(1)), "host": host, "signal": int(m.group(3)), "status": None,
+                                  "source": "mpirun"}))
     for m in _OMPI_ABORT.finditer(text):
-        events.append({"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
-                       "source": "mpirun"})
+        found.append((m.start(), {"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
+                                  "source": "mpirun"}))
     for m in _OMPI_EXIT.finditer(text):
-        events.append({"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
-                       "source": "mpirun"})
+        found.append((m.start(), {"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
+                                  "source": "mpirun"}))
     for m in _SRUN_TASK.finditer(text):
         what = m.group(3).strip()
         sig = _SIGNAL_NAMES.get(what)
@@ -115,8 +116,9 @@ def launcher_events(text):
         if sig is None and status is None:
             continue  # another srun error line
         for rank in _task_ranks(m.group(2)):
-            events.append({"rank": rank, "host": m.group(1), "signal": sig, "status": status, "source": "srun"})
-    return events
+            found.append((m.start(), {"rank": rank, "host": m.group(1), "signal": sig, "status": status,
+                                      "source": "srun"}))
+    return [event for _, event in sorted(found, key=lambda pair: pair[0])]
 
 
 # ---------------------------------------------------------------- one diagnosis
@@ -166,14 +168,15 @@ def _by_status(status):
 
 def diagnose(returncode, records=(), events=(), hosts=None):
     """One :class:`Failure` from the launcher's exit status, the ranks' records of this launch
-    and the launcher's events (pure). A rank killed by a signal is the cause before any record
-    (the others' records then describe the consequences); else the first record of a rank that
-    failed itself (not a ``RemoteError``: that names another rank's failure); else what the
-    launcher said; else the exit status. Never restartable: bad input (2, the same error would
-    repeat), a requested stop (3, the job script requeues) and divergence (5)."""
-    killed = [e for e in events if e.get("signal")]
-    if killed:
-        e = killed[0]
+    and the launcher's events (pure). When the first thing the launcher reports is a rank
+    killed by a signal, that is the cause (the others' records describe the consequences);
+    else the first record of a rank that failed itself (not a ``RemoteError``: that names
+    another rank's failure); else what the launcher said; else the exit status. Never
+    restartable: bad input (2, the same error would repeat), a requested stop (3, the job
+    script requeues) and divergence (5)."""
+    events = list(events)
+    if events and events[0].get("signal"):
+        e = events[0]
         return Failure("signal", EXIT_OTHER, True, e["rank"], e["host"] or _host(e["rank"], hosts),
                        signal=e["signal"], source=e["source"])
     own = [r for r in records if r.get("error") != "RemoteError"]
