@@ -211,6 +211,8 @@ class Trainer:
                   f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
                   f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
+        for note in getattr(cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
+            self._log(note)
         model.train()
         return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
                    PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
