@@ -128,6 +128,7 @@ def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(sl
     assert final.name == f"ckpt-{saved + 1:08d}.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr
+    assert not (run_dir / ".hpctrain-stalled-starts").exists()  # a resubmission counts afresh
 
 
 # A rank that dies of SIGUSR1 (no handler yet: the signal's default action), then one that finishes.
@@ -163,3 +164,4 @@ def test_ranks_killed_by_the_forwarded_signal_are_requeued(slurm_cluster, tmp_pa
     assert "the ranks never set up the run" in first and f"requeued Slurm job {job}" in first, out
     assert second.count("done") == 2 and "exit status 0" in second, out
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", record
+    assert not (tmp_path / "runs" / f"hpctrain-preemptible-{job}" / ".hpctrain-stalled-starts").exists()
