@@ -51,7 +51,6 @@ class CheckpointConfig:
     mtbf_hours: float = 0.0  # the job's mean time between failures: Young/Daly interval; 0: off
 
 
-
 # ---------------------------------------------------------------- the other sections
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALINGS = ("none", "linear")
