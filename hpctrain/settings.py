@@ -21,7 +21,8 @@ HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    uns
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
-(``scripts/setup.sh``), ``HPCTRAIN_VENV``, ``HPCTRAIN_RUN_ROOT`` and ``HPCTRAIN_MAX_REQUEUES``
+(``scripts/setup.sh``), ``HPCTRAIN_VENV``, ``HPCTRAIN_RUN_ROOT``, ``HPCTRAIN_MAX_REQUEUES``,
+``HPCTRAIN_MAX_STALLED_STARTS``, ``HPCTRAIN_MAX_RESTARTS`` and ``HPCTRAIN_LAUNCH_ARGS``
 (``slurm/*.sbatch``); each is described where it is read.
 
 Launcher variables describe the job, not hpctrain, and are read where they are interpreted:
