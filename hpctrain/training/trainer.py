@@ -31,12 +31,14 @@ import numpy as np
 
 from ..config import TrainConfig, load_config, validate
 from ..coordination import all_or_none, any_rank, everywhere, on_root
-from ..errors import ConfigError, HpctrainError
+from ..errors import ConfigError
 from ..job import rundir, runlock
 from ..job.watchdog import Watchdog, watching
 from ..monitoring.monitor import Monitor, build_callbacks
 from ..monitoring.timing import PhaseTimer
 from ..state import Progress, TrainState
+from . import nonfinite
+from .nonfinite import NonFiniteError
 
 
 @dataclass
@@ -53,12 +55,6 @@ class FitResult:
 
 # Why an epoch of training returned.
 EPOCH_END, MAX_STEPS, STOP_REQUESTED, ROLLED_BACK = "epoch_end", "max_steps", "stop_requested", "rolled_back"
-
-
-class NonFiniteError(HpctrainError):
-    """Training stopped because the averaged gradients were not finite (``train.on_nonfinite``)."""
-
-    exit_code = 5
 
 
 @dataclass
@@ -269,13 +265,13 @@ class Trainer:
         Returns ROLLED_BACK when non-finite gradients sent the run back to a checkpoint."""
         t, progress, timer = run.cfg.train, run.state.progress, run.timer
         timer.start_step()
-        lr = _set_lr(run.state.optimizer, run.base_lr * progress.extra.get(LR_FACTOR, 1.0), t.warmup_steps,
+        lr = _set_lr(run.state.optimizer, run.base_lr * progress.extra.get(nonfinite.LR_FACTOR, 1.0), t.warmup_steps,
                      progress.step)
         with run.watchdog.step(progress.step + 1):
-            run.last_loss, nonfinite = self._train_step(run, micro_batches)
-        if nonfinite is None:
+            run.last_loss, bad = self._train_step(run, micro_batches)
+        if bad is None:
             run.skips = 0
-        elif self._nonfinite(run, nonfinite) == ROLLED_BACK:
+        elif self._nonfinite(run, bad) == ROLLED_BACK:
             return ROLLED_BACK
         progress.step += 1
         progress.samples_in_epoch += run.sampler.global_batch
@@ -314,13 +310,13 @@ class Trainer:
         with timer.phase("optimizer"):
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
-            nonfinite = None
-            if scaler is None and not _grads_finite(optimizer):
-                nonfinite = _first_nonfinite(model)  # the slow search, on this path only
+            bad = None  # the first parameter whose gradient is not finite
+            if scaler is None and not nonfinite.grads_finite(optimizer):
+                bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
             else:
                 backend.step(optimizer, scaler)
             optimizer.zero_grad()
-        return total / len(micro_batches), nonfinite
+        return total / len(micro_batches), bad
 
     def _nonfinite(self, run, tensor):
         """The averaged gradients of the step just taken were not finite (the same verdict on
@@ -330,25 +326,20 @@ class Trainer:
         t, progress = run.cfg.train, run.state.progress
         step = progress.step + 1
         run.skips += 1
-        rollbacks = progress.extra.get(ROLLBACKS, 0)
+        rollbacks = progress.extra.get(nonfinite.ROLLBACKS, 0)
         policy = t.on_nonfinite
         can_roll_back = hasattr(run.checkpoints, "load_latest")
-        if policy in ("auto", "skip") and run.skips <= t.max_nonfinite_skips:
-            action = "skip"
-        elif policy in ("auto", "rollback") and can_roll_back and rollbacks < t.max_rollbacks:
-            action = "rollback"
-        else:
-            action = "stop"
+        action = nonfinite.choose_action(t, run.skips, rollbacks, can_roll_back)
         event = {"step": step, "action": action, "tensor": tensor, "policy": policy,
                  "consecutive": run.skips, "rollbacks": rollbacks}
         if action == "rollback":
-            factor = progress.extra.get(LR_FACTOR, 1.0) * t.rollback_lr_factor
+            factor = progress.extra.get(nonfinite.LR_FACTOR, 1.0) * t.rollback_lr_factor
             with watching(f"rollback to the newest checkpoint after step {step}"):
                 path = run.checkpoints.load_latest(run.state)
             if path is not None:
                 progress = run.state.progress
                 # The run's own history, not the checkpoint's: kept across later resumes.
-                progress.extra.update({ROLLBACKS: rollbacks + 1, LR_FACTOR: factor})
+                progress.extra.update({nonfinite.ROLLBACKS: rollbacks + 1, nonfinite.LR_FACTOR: factor})
                 run.sampler.seed = progress.seed
                 run.skips, run.evaluated_at = 0, None
                 event.update(rollbacks=rollbacks + 1, to_step=progress.step, lr_factor=factor, path=path)
@@ -363,7 +354,8 @@ class Trainer:
         if action == "skip":
             return None
         # Every rank reached the same verdict on the same gradients: all raise it alike.
-        raise everywhere(NonFiniteError(_stop_message(step, tensor, run, event), hint=_stop_hint(run.checkpoints)))
+        raise everywhere(NonFiniteError(nonfinite.stop_message(step, tensor, t, event),
+                                         hint=nonfinite.stop_hint(run.checkpoints)))
 
     def _tell_nonfinite(self, run, event):
         with watching(f"callbacks (non-finite step {event['step']})"):
@@ -444,56 +436,6 @@ def _make_optimizer(model, t, lr):
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
-
-
-# Kept in Progress.extra, so in every checkpoint: how often this run rolled back, and the
-# learning-rate multiplier those rollbacks left.
-ROLLBACKS, LR_FACTOR = "nonfinite_rollbacks", "lr_factor"
-
-
-def _grads_finite(optimizer):
-    """True if every gradient is finite: one fused pass (``_foreach_norm``) and one host sync,
-    right after the all-reduce wait. The same verdict on every rank: they hold the same
-    averaged gradients. A sum of squares that overflows counts as non-finite too: such a
-    step is blowing up anyway."""
-    import torch
-
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)
-    return bool(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).sum()))
-
-
-def _first_nonfinite(model):
-    """``name (NaN)`` or ``name (inf)`` of the first parameter whose gradient is not finite."""
-    import torch
-
-    for name, p in model.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            return f"{name} ({'NaN' if bool(torch.isnan(p.grad).any()) else 'inf'})"
-    return "none: every element is finite, but their norm overflows"
-
-
-def _stop_message(step, tensor, run, event):
-    t = run.cfg.train
-    why = {"stop": "train.on_nonfinite = \"stop\"",
-           "skip": f"{event['consecutive']} consecutive non-finite steps, more than train.max_nonfinite_skips "
-                   f"= {t.max_nonfinite_skips}",
-           "rollback": f"{event['rollbacks']} rollbacks already, train.max_rollbacks = {t.max_rollbacks}",
-           "auto": f"{event['consecutive']} consecutive non-finite steps and {event['rollbacks']} rollbacks "
-                   f"(train.max_rollbacks = {t.max_rollbacks})"}[t.on_nonfinite]
-    if event.get("why"):
-        why = event["why"]
-    return (f"training stopped at step {step}: the averaged gradients are not finite; first non-finite "
-            f"gradient: {tensor}; {why}. The update of step {step} was not applied")
-
-
-def _stop_hint(checkpoints):
-    newest = getattr(checkpoints, "last_path", None)
-    where = (f"; the newest checkpoint {newest} holds the last good state (a new job resumes from it "
-             f"with checkpoint.resume=auto)" if newest else "")
-    return "lower train.lr, add train.warmup_steps, or look for NaN/inf in the data" + where
 
 
 def _set_lr(optimizer, base_lr, warmup_steps, step):

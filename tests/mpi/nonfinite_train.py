@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hpctrain import ArrayDataset, Trainer, load_config
-from hpctrain.training.trainer import NonFiniteError
+from hpctrain.training.nonfinite import NonFiniteError
 
 
 def synthetic(n, seed):
