@@ -4,11 +4,28 @@ import sys
 # The harness modules (mpi_harness, slurm_cluster) live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# ---------------------------------------------------------------- Slurm
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """The digits data file, made once for the session (read only by the tests), so that
+    jobs running side by side never race to create it."""
+    from hpctrain.config import load_config
+    from hpctrain.data import generate
+
+    path = tmp_path_factory.mktemp("data") / "digits.h5"
+    cfg = load_config(os.path.join(ROOT, "examples", "digits.toml"), [f"data.path={path}"])
+    generate(cfg.data, cfg.model, seed=cfg.run.seed)
+    return path
+
+
+# ---------------------------------------------------------------- Slurm
 
 
 @pytest.fixture(scope="session")

@@ -81,17 +81,6 @@ def final_loss(output):
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from hpctrain.config import load_config
-    from hpctrain.data import generate
-
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
-    generate(cfg.data, cfg.model, seed=cfg.run.seed)
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, digits):
     """A run that is never killed; it also counts the calls at which kills can be placed."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"

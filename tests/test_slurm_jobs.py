@@ -18,18 +18,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 JOB_TIMEOUT = 300
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """The digits data file, made once: jobs running side by side must not race to create it."""
-    from hpctrain.config import load_config
-    from hpctrain.data import generate
-
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
-    generate(cfg.data, cfg.model, seed=cfg.run.seed)
-    return path
-
-
 @pytest.fixture
 def job_env(slurm_cluster, tmp_path):
     """Submission environment: runs under tmp_path; the job scripts' defaults otherwise."""

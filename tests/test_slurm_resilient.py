@@ -23,17 +23,6 @@ exec {PYTHON} "$@"
 """
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from hpctrain.config import load_config
-    from hpctrain.data import generate
-
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
-    generate(cfg.data, cfg.model, seed=cfg.run.seed)
-    return path
-
-
 def job_env(cluster, tmp_path, **extra):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)

@@ -78,17 +78,6 @@ def slow_venv(tmp_path):
     return make_venv(tmp_path, f"#!/bin/bash\nexec {PYTHON} {wrapper} \"$@\"\n")
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from hpctrain.config import load_config
-    from hpctrain.data import generate
-
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
-    generate(cfg.data, cfg.model, seed=cfg.run.seed)
-    return path
-
-
 def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(slurm_cluster, tmp_path, digits):
     env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_VENV": str(slow_venv(tmp_path)),
                              "SLOW_STEP": "0.05", "SLOW_START_FROM": "2", "HPCTRAIN_MAX_STALLED_STARTS": "1"})

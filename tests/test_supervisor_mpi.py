@@ -37,17 +37,6 @@ def overrides(run_dir, digits):
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from hpctrain.config import load_config
-    from hpctrain.data import generate
-
-    path = tmp_path_factory.mktemp("data") / "digits.h5"
-    cfg = load_config(ROOT / "examples" / "digits.toml", [f"data.path={path}"])
-    generate(cfg.data, cfg.model, seed=cfg.run.seed)
-    return path
-
-
-@pytest.fixture(scope="module")
 def wrapper(tmp_path_factory):
     """The executable the supervisor runs as the ranks' Python."""
     path = tmp_path_factory.mktemp("bin") / "python"

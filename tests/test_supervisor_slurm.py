@@ -5,7 +5,7 @@ trains the same samples to the same parameters as an uninterrupted one."""
 import pytest
 
 from mpi_harness import PYTHON, ROOT
-from test_supervisor_mpi import (RNG, STEPS, assert_same_training, digits, metrics, overrides,  # noqa: F401
+from test_supervisor_mpi import (RNG, STEPS, assert_same_training, metrics, overrides,  # noqa: F401
                                  reference, wrapper)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

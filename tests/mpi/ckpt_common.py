@@ -9,6 +9,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hpctrain.config import CheckpointConfig  # noqa: E402
+from hpctrain.errors import CheckpointError  # noqa: E402
 from hpctrain.state import Progress, TrainState  # noqa: E402
 from hpctrain.world import init_world  # noqa: E402
 
@@ -103,3 +104,44 @@ def assert_same_state(ref, state):
     _same(ref["model"], state.model.state_dict(), "model")
     _same(ref["optimizer"], state.optimizer.state_dict(), "optimizer")
     _same(ref["progress"], dataclasses.asdict(state.progress), "progress")
+
+
+# ---------------------------------------------------------------- scenario scripts
+# What ckpt_scenarios.py and ckpt_safety.py share: the world and options their main() sets,
+# and the helpers that print each rank's lines and check the expected errors.
+W = None
+OPTS = {}
+
+
+def say(name, text):
+    print(f"RANK {W.rank} {name} {text}", flush=True)
+
+
+def expect_error(name, fn, *needles):
+    """Run fn (collective); it must raise CheckpointError containing every needle."""
+    try:
+        fn()
+    except CheckpointError as exc:
+        text = str(exc)
+        for needle in needles:
+            assert needle in text, f"{name}: {needle!r} not in error:\n{text}"
+        say(name, "ERROR: " + text.replace("\n", " | "))
+        return exc
+    raise AssertionError(f"{name}: no CheckpointError raised")
+
+
+def root_only(fn):
+    if W.rank == 0:
+        fn()
+    W.comm.Barrier()
+
+
+def fresh_dir(name):
+    path = os.path.join(OPTS["dir"], name)
+    root_only(lambda: os.makedirs(path, exist_ok=True))
+    return path
+
+
+def read_latest(d):
+    with open(os.path.join(d, "latest")) as f:
+        return f.read().strip()

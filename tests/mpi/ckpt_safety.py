@@ -20,48 +20,14 @@ import numpy as np
 import torch
 
 import ckpt_common as cc
+from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
 from hpctrain import fsutil
 from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
 from hpctrain.checkpoint import format as fmt
 from hpctrain.coordination import abort_on_exception
-from hpctrain.errors import CheckpointError
 
-W = None  # the World
-OPTS = {}
-
-
-def say(name, text):
-    print(f"RANK {W.rank} {name} {text}", flush=True)
-
-
-def expect_error(name, fn, *needles):
-    """Run fn (collective); it must raise CheckpointError containing every needle."""
-    try:
-        fn()
-    except CheckpointError as exc:
-        text = str(exc)
-        for needle in needles:
-            assert needle in text, f"{name}: {needle!r} not in error:\n{text}"
-        say(name, "ERROR: " + text.replace("\n", " | "))
-        return exc
-    raise AssertionError(f"{name}: no CheckpointError raised")
-
-
-def root_only(fn):
-    if W.rank == 0:
-        fn()
-    W.comm.Barrier()
-
-
-def fresh_dir(name):
-    path = os.path.join(OPTS["dir"], name)
-    root_only(lambda: os.makedirs(path, exist_ok=True))
-    return path
-
-
-def read_latest(d):
-    with open(os.path.join(d, "latest")) as f:
-        return f.read().strip()
+W = None  # the World (also cc.W, which the shared helpers read)
+OPTS = cc.OPTS
 
 
 def ckpts(d):
@@ -339,7 +305,7 @@ def for_flips():
 def main(argv):
     global W
     OPTS["dir"] = argv[0]
-    W = cc.world()
+    W = cc.W = cc.world()
     with abort_on_exception(W.comm):
         for name in argv[1:]:
             globals()[name]()

@@ -15,46 +15,13 @@ import numpy as np
 import torch
 
 import ckpt_common as cc
+from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
 from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
 from hpctrain.coordination import abort_on_exception
 from hpctrain.errors import CheckpointError
 
-W = None  # the World
-OPTS = {}
-
-
-def say(name, text):
-    print(f"RANK {W.rank} {name} {text}", flush=True)
-
-
-def expect_error(name, fn, *needles):
-    """Run fn (collective); it must raise CheckpointError containing every needle."""
-    try:
-        fn()
-    except CheckpointError as exc:
-        text = str(exc)
-        for needle in needles:
-            assert needle in text, f"{name}: {needle!r} not in error:\n{text}"
-        say(name, "ERROR: " + text.replace("\n", " | "))
-        return exc
-    raise AssertionError(f"{name}: no CheckpointError raised")
-
-
-def root_only(fn):
-    if W.rank == 0:
-        fn()
-    W.comm.Barrier()
-
-
-def fresh_dir(name):
-    path = os.path.join(OPTS["dir"], name)
-    root_only(lambda: os.makedirs(path, exist_ok=True))
-    return path
-
-
-def read_latest(d):
-    with open(os.path.join(d, "latest")) as f:
-        return f.read().strip()
+W = None  # the World (also cc.W, which the shared helpers read)
+OPTS = cc.OPTS
 
 
 def files(d):
@@ -289,7 +256,7 @@ def main(argv):
             OPTS[a[2:]] = next(args)
         else:
             names.append(a)
-    W = cc.world()
+    W = cc.W = cc.world()
     with abort_on_exception(W.comm):
         for name in names:
             globals()[name]()

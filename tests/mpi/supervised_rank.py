@@ -24,15 +24,6 @@ import signal
 import sys
 import time
 
-RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
-
-
-def _rank():
-    for name in RANK_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
 
 def _append(path, text):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
