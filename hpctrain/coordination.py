@@ -13,11 +13,11 @@
 import contextlib
 import logging
 import os
-import socket
 import sys
 import traceback
 
 from .errors import HpctrainError, RemoteError
+from .world import node_name
 
 log = logging.getLogger("hpctrain")
 
@@ -30,7 +30,7 @@ def _say(text):
 
 
 def _describe(rank, exc):
-    return f"rank {rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}"
+    return f"rank {rank} on {node_name()}: {type(exc).__name__}: {exc}"
 
 
 def everywhere(exc):
@@ -109,7 +109,7 @@ def raise_if_any(errors, comm, make_error):
 
     >>> raise_if_any(errors, comm, lambda problems: CheckpointError("\\n".join(problems)))  # doctest: +SKIP
     """
-    mine = [f"rank {comm.Get_rank()} on {socket.gethostname()}: {e}" for e in errors]
+    mine = [f"rank {comm.Get_rank()} on {node_name()}: {e}" for e in errors]
     problems = [p for rank_list in comm.allgather(mine) for p in rank_list]
     if problems:
         raise everywhere(make_error(problems))
@@ -178,7 +178,7 @@ def abort_on_exception(comm, where=None):
     except BaseException as exc:  # noqa: B902 - we end the job on anything
         rank = comm.Get_rank() if comm is not None else 0
         size = comm.Get_size() if comm is not None else 1
-        host = where or socket.gethostname()
+        host = where or node_name()
         collective = getattr(exc, "collective", False) or size == 1
         _record_failure(exc, rank, host, collective)
         if isinstance(exc, SystemExit):

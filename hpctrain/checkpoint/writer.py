@@ -296,13 +296,12 @@ def or_abort(what, path, rank, errors=(), seconds=None):
     seconds = COLLECTIVE_TIMEOUT if seconds is None else seconds
 
     def fire():
-        import socket
-
         from mpi4py import MPI
 
         from ..coordination import abort_job
+        from ..world import node_name
 
-        os.write(2, (f"hpctrain: error: rank {rank} on {socket.gethostname()}: {what} {path} did not finish in "
+        os.write(2, (f"hpctrain: error: rank {rank} on {node_name()}: {what} {path} did not finish in "
                      f"{seconds:.0f} s{' after ' + '; '.join(errors) if errors else ''}: a rank's write failed inside HDF5's collective call (see the "
                      f"MPI-IO messages above) and the other ranks would wait for ever; aborting the job. "
                      f"The previous checkpoint and `latest` are untouched.\nHINT: check space, quotas and "

@@ -24,12 +24,12 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .. import settings
+from ..world import node_name
 
 # Exit statuses of `hpctrain train` (README, "Exit status").
 EXIT_OK, EXIT_OTHER, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
@@ -43,7 +43,7 @@ def record(kind, *, rank, host=None, status, error=None, message=None, step=None
     path = settings.get("FAILURE_FILE", environ=environ)
     if not path:
         return
-    entry = {"kind": kind, "rank": rank, "host": host or socket.gethostname(), "status": status,
+    entry = {"kind": kind, "rank": rank, "host": host or node_name(), "status": status,
              "error": error, "message": None if message is None else str(message)[:2000], "step": step,
              "phase": phase, "collective": bool(collective), "pid": os.getpid(), "timestamp": time.time()}
     try:
