@@ -7,6 +7,8 @@ for scale only: this machine is shared, and they move by 2x from one minute to t
 import glob
 import json
 import os
+import re
+import statistics
 import sys
 
 MIB = 2 ** 20
@@ -85,24 +87,42 @@ def allreduce_section(docs, verdicts):
                 for path in ("mpi_none", "horovod_none"):
                     if get(path) is not None:
                         verdicts.append((f"sync {path.replace('_', ' ')} {size_name(nbytes)} {n} ranks "
-                                         f"<= 1.2x fused", get(path), ok(get(path), TARGETS["sync"])))
+                                         f"<= 1.2x fused", get(path), ok(get(path), TARGETS["sync"]),
+                                         [f"allreduce-{path.split('_')[0]}-{n}"]))
     return lines if found else []
 
 
-def step_docs(docs, model, n):
+def step_rounds(docs, model, n):
+    """``{round: {implementation: (launch name, results)}}`` of the training-step launches."""
     out = {}
     for name, doc in docs.items():
-        if doc.get("benchmark") != "train_step" or doc["ranks"] != n:
+        if doc.get("benchmark") != "train_step" or doc["ranks"] != n or doc["results"]["model"] != model:
             continue
         r = doc["results"]
-        if r["model"] == model:
-            out[f"{r['impl']} {r['compression']}" if r["impl"] != "ddp" else "ddp"] = r
+        found = re.search(r"-r(\d+)$", name)
+        key = f"{r['impl']} {r['compression']}" if r["impl"] != "ddp" else "ddp"
+        out.setdefault(int(found.group(1)) if found else 0, {})[key] = (name, r)
     return out
+
+
+def step_docs(docs, model, n):
+    """The first round's results by implementation."""
+    rounds = step_rounds(docs, model, n)
+    return {k: r for k, (_, r) in rounds[min(rounds)].items()} if rounds else {}
+
+
+def spread(values):
+    """``(median, "min-max")`` of the non-missing values; ``(None, "")`` when there are none."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None, ""
+    return statistics.median(values), (f"{values[0]:.2f}-{values[-1]:.2f}" if len(values) > 1 else "")
 
 
 def train_section(docs, verdicts):
     lines = []
     for model in ("large", "small"):
+        rounds = step_rounds(docs, model, 2)
         rs = step_docs(docs, model, 2)
         if not rs:
             continue
@@ -117,21 +137,27 @@ def train_section(docs, verdicts):
                   "that changed between launches. exposed comm = step - local. sync: time in "
                   "`backend.synchronize` (after the backward pass; Horovod overlaps part of it with backward).",
                   "",
-                  "| implementation | step ms | x DDP | x DDP (norm.) | step / local | exposed comm ms | sync ms "
-                  "| sync / fused Allreduce | fused Allreduce ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"With {len(rounds)} rounds (DDP and the backends launched alternately), the ratios are "
+                  "each round's against that round's DDP: median, and min-max over the rounds.",
+                  "",
+                  "| implementation | step ms | x DDP | x DDP (norm.) | norm. min-max | step / local "
+                  "| exposed comm ms | sync ms | sync / fused Allreduce | fused Allreduce ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for key in ("ddp", "horovod none", "horovod fp16", "mpi none", "mpi fp16"):
             r = rs.get(key)
             if not r:
                 continue
-            direct = r["step_s"] / ddp["step_s"] if ddp else None
-            norm = r["step_over_local"] / ddp["step_over_local"] if ddp else None
-            lines.append(f"| {key} | {fmt(1e3 * r['step_s'], '.0f')} | {fmt(direct)} | {fmt(norm)} "
+            pairs = [(rd[key], rd["ddp"]) for rd in rounds.values() if key in rd and "ddp" in rd]
+            direct, _ = spread([a["step_s"] / b["step_s"] for (_, a), (_, b) in pairs])
+            norm, norm_range = spread([a["step_over_local"] / b["step_over_local"] for (_, a), (_, b) in pairs])
+            lines.append(f"| {key} | {fmt(1e3 * r['step_s'], '.0f')} | {fmt(direct)} | {fmt(norm)} | {norm_range} "
                          f"| {fmt(r['step_over_local'])} | {fmt(1e3 * r['exposed_comm_s'], '.0f')} "
                          f"| {fmt(1e3 * r['sync_s'], '.0f') if key != 'ddp' else 'in backward'} "
                          f"| {fmt(r['sync_over_fused'])} | {fmt(1e3 * r['fused_allreduce_s'], '.0f')} |")
             if key != "ddp" and norm is not None:
-                verdicts.append((f"step {key}, {model} model, <= DDP (normalised)", norm, ok(norm, TARGETS["step"])))
+                names = [name for pair in pairs for name, _ in pair]
+                verdicts.append((f"step {key}, {model} model, <= DDP (normalised)", norm,
+                                 ok(norm, TARGETS["step"]), names))
     return lines
 
 
@@ -191,6 +217,7 @@ def ckpt_section(docs, verdicts):
                          ("checkpoint load <= torch.load (warm cache)", warm_vs, ok(warm_vs, TARGETS["load_vs_torch"])),
                          ("peak extra memory during save < 10% of state", r["peak_extra_fraction"],
                           ok(r["peak_extra_fraction"], TARGETS["peak_mem"]))]
+            verdicts[-5:] = [v + (["ckpt_io-2"],) for v in verdicts[-5:]]
     if res.get("dcp_error"):
         lines.append(f"\ndcp did not run: {res['dcp_error']}")
     stall = res.get("stall")
@@ -205,7 +232,8 @@ def ckpt_section(docs, verdicts):
             lines.append(f"| {mode} | {fmt(s['stall_s'])} | {fmt(s['stall_s'] / stall['sync']['stall_s'])} "
                          f"| {fmt(s['blocking_s'])} | {fmt(s['step_s'])} | {fmt(s['wait_s'])} |")
         ratio = stall["async"]["stall_s"] / stall["sync"]["stall_s"] if stall["sync"]["stall_s"] > 0 else None
-        verdicts.append(("async_save stall <= 0.5x a synchronous save's", ratio, ok(ratio, TARGETS["async_stall"])))
+        verdicts.append(("async_save stall <= 0.5x a synchronous save's", ratio, ok(ratio, TARGETS["async_stall"]),
+                         ["ckpt_io-2"]))
     return lines
 
 
@@ -229,15 +257,13 @@ def render(out):
                      f"{machine.get('mpi', 'MPI ?')}, torch {machine.get('torch')}, Horovod "
                      f"{machine.get('horovod', '-')}, HDF5 {machine.get('hdf5', '-')}; load average at the "
                      f"first launch {', '.join(f'{x:.1f}' for x in machine.get('load_avg', []))}")
-    try:
-        with open(os.path.join(out, "launches.json")) as f:
-            launches = json.load(f)
+    launches = read_launches(out)
+    if launches:
         failed = [e["name"] for e in launches["launches"] if e["rc"] != 0]
         lines.append(f"Launches: {len(launches['launches'])}{' (quick)' if launches.get('quick') else ''}, "
                      f"failed: {', '.join(failed) or 'none'}; load average at the end "
                      f"{', '.join(f'{x:.1f}' for x in launches.get('load_avg_end', []))}")
-    except (OSError, ValueError, KeyError):
-        pass
+        lines += conditions_lines(launches["launches"])
     lines.append("")
     lines += allreduce_section(docs, verdicts)
     lines += train_section(docs, verdicts)
@@ -245,9 +271,45 @@ def render(out):
     lines += scaling_section(docs)
     lines += extra_section(docs)
     if verdicts:
-        lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
-        lines += [f"| {name} | {fmt(value)} | {verdict} |" for name, value, verdict in verdicts]
+        unquiet = {e["name"]: e["why_not"] for e in (launches or {}).get("launches", [])
+                   if not e.get("publishable", True)}
+        lines += ["", "## Targets", "",
+                  "A ratio is published only when every launch it comes from ran on a quiet machine "
+                  "(benchmarks/conditions.py); otherwise its verdict is `unpublished`.", "",
+                  "| target | measured | verdict |", "|---|---|---|"]
+        refused = []
+        for name, value, verdict, *sources in verdicts:
+            why = sorted({f"{n}: {unquiet[n]}" for n in (sources[0] if sources else ()) if n in unquiet})
+            if why and value is not None:
+                verdict = "unpublished"
+                refused.append(f"- {name}: {'; '.join(why)}")
+            lines.append(f"| {name} | {fmt(value)} | {verdict} |")
+        if refused:
+            lines += ["", "Unpublished (measured while the machine was not quiet):", ""] + refused
     return "\n".join(lines) + "\n"
+
+
+def read_launches(out):
+    try:
+        with open(os.path.join(out, "launches.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def conditions_lines(entries):
+    """One row per launch: load before and after, other processes' CPU use, steal."""
+    rows = [e for e in entries if e.get("conditions")]
+    if not rows:
+        return []
+    lines = ["", "| launch | s | load before | load after | others (cores) | steal | publishable |",
+             "|---|---|---|---|---|---|---|"]
+    for e in rows:
+        c = e["conditions"]
+        lines.append(f"| {e['name']} | {e['seconds']:.0f} | {c['load_before'][0]:.1f} | {c['load_after'][0]:.1f} "
+                     f"| {c['foreign_cores']:.2f} | {100 * c['steal_fraction']:.0f}% "
+                     f"| {'yes' if e.get('publishable', True) else 'no: ' + e.get('why_not', '')} |")
+    return lines
 
 
 if __name__ == "__main__":

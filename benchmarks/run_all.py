@@ -1,11 +1,17 @@
 """Run every benchmark under mpirun and print the table (``make bench``).
 
-    python benchmarks/run_all.py                 # ~15 minutes on 2 cores
+    python benchmarks/run_all.py                 # ~25 minutes on 2 cores
     BENCH_QUICK=1 python benchmarks/run_all.py   # ~2 minutes: small sizes, few steps
 
 Results: ``bench-results/<timestamp>/*.json`` (one file per launch), ``table.md`` (what is
 printed) and ``launches.json`` (commands, exit codes, seconds, output of failed launches).
 Every launch has a timeout; a failed one is reported and the others still run.
+
+Before each launch it waits (up to 90 s) for the 1-minute load to fall below the core count,
+and records the load before and after, other processes' CPU use during it and CPU steal
+(benchmarks/conditions.py); the report publishes no ratio from a launch that ran on a busy
+machine. The training-step launches run in alternated rounds (DDP, Horovod, Horovod fp16,
+mpi, then again), and the report gives each ratio's median and min-max over the rounds.
 """
 import json
 import os
@@ -16,6 +22,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MIB = 2 ** 20
+ROUNDS = 3  # launches of each compared training-step implementation, alternated
+
+sys.path.insert(0, HERE)
+import conditions  # noqa: E402
 
 
 def mpi_env():
@@ -49,11 +59,14 @@ def plan(quick, out):
                                        "--sizes", *map(str, sizes)] + j(name), 240 if quick else 420))
     impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none")]
     steps = ["--steps", "4", "--warmup", "2", "--block", "2"] if quick else ["--steps", "20", "--warmup", "4"]
+    # DDP and the backends alternate in rounds, so that a change in the machine's load hits
+    # each of them alike; the report takes each round's ratio to that round's DDP step.
     for model in (("large",) if quick else ("large", "small")):
-        for impl, comp in impls:
-            name = f"train_step-{model}-{impl}-{comp}-2"
-            launches.append((name, 2, ["train_step.py", "--impl", impl, "--compression", comp, "--model", model]
-                             + steps + j(name), 240 if quick else 300))
+        for r in range(1 if quick else ROUNDS):
+            for impl, comp in impls:
+                name = f"train_step-{model}-{impl}-{comp}-2" + (f"-r{r}" if r else "")
+                launches.append((name, 2, ["train_step.py", "--impl", impl, "--compression", comp,
+                                           "--model", model] + steps + j(name), 240 if quick else 300))
     # Scaling at a fixed per-rank batch; 2 ranks come from the launches above.
     for n in (1, 4):
         for impl in ("horovod",):
@@ -72,6 +85,8 @@ def run(name, n, args, timeout, out, log):
            sys.executable, os.path.join(HERE, args[0])] + args[1:]
     env = mpi_env()
     env["BENCH_OUT"] = out
+    waited = conditions.settle()
+    before = conditions.snapshot()
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=env, cwd=ROOT)
@@ -79,10 +94,17 @@ def run(name, n, args, timeout, out, log):
     except subprocess.TimeoutExpired as exc:
         rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "")
     seconds = time.time() - t0
+    cond = conditions.during(before, conditions.snapshot())
+    cond["settle_s"] = waited
+    quiet, why = conditions.judge(cond)
     for line in stdout.splitlines():
         if line.startswith(("allreduce", "train_step", "ckpt_io")):
             print(f"  {line}", flush=True)
-    entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1)}
+    entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
+             "conditions": cond, "publishable": quiet, "why_not": why}
+    print(f"  load {cond['load_before'][0]:.1f} -> {cond['load_after'][0]:.1f}, others "
+          f"{cond['foreign_cores']:.2f} cores, steal {100 * cond['steal_fraction']:.0f}%"
+          + ("" if quiet else f": NOT PUBLISHABLE ({why})"), flush=True)
     if rc != 0:
         entry["output_tail"] = (stdout + stderr)[-4000:]
         print(f"  {name}: FAILED ({rc}) after {seconds:.0f} s; see launches.json", flush=True)
@@ -102,7 +124,6 @@ def main():
         run(name, n, args, timeout, out, log)
         with open(os.path.join(out, "launches.json"), "w") as f:
             json.dump({"quick": quick, "launches": log, "load_avg_end": os.getloadavg()}, f, indent=1)
-    sys.path.insert(0, HERE)
     from report import render
 
     table = render(out)
