@@ -46,12 +46,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def init_ddp(world):
+def init_ddp(world, backend="gloo"):
     import torch.distributed as dist
 
     port = world.comm.bcast(free_port() if world.rank == 0 else None, root=0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
+    dist.init_process_group(backend, rank=world.rank, world_size=world.size)
     return dist
 
 
