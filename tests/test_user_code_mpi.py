@@ -173,3 +173,16 @@ def test_script_takes_overrides_stops_on_the_warning_signal_and_resumes(tmp_path
                        "train.epochs=40", "train.max_steps=" + str(stopped + 10)], cwd=ROOT, timeout=150)
     out2 = again.check().output
     assert f"at step {stopped}" in out2 and f"done at step {stopped + 10}" in out2, out2
+
+
+def test_launch_supervises_a_script(tmp_path):
+    """`hpctrain launch -n 2 SCRIPT.py overrides`: the supervisor starts the script itself (not
+    `hpctrain train`), with the overrides and the run directory it chose."""
+    result = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--launcher-args=--oversubscribe",
+                             "examples/train_script.py", "train.epochs=1", f"run.run_dir={tmp_path}/run"],
+                            capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=ROOT)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert re.search(r"starting 2 rank\(s\): mpirun .*examples/train_script.py train.epochs=1 run.run_dir=", out), out
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists() and 'name = "spirals"' in \
+        (tmp_path / "run" / "config.toml").read_text()

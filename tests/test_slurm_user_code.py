@@ -1,0 +1,21 @@
+"""A Python training script as the job: `sbatch slurm/train.sbatch SCRIPT.py overrides` on a real
+single-node Slurm cluster runs it with srun --mpi=pmix on every task, in the job's run directory."""
+import pytest
+
+from mpi_harness import ROOT
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def test_python_script_through_train_sbatch(slurm_cluster, tmp_path):
+    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs")})
+    job = slurm_cluster.sbatch(ROOT / "slurm" / "train.sbatch", "examples/train_script.py", "train.epochs=1",
+                               "monitor.log_every=10", env=env, options=[f"--output={tmp_path}/%x-%j.out"])
+    (record,) = slurm_cluster.wait(job, 300)
+    out = (tmp_path / f"hpctrain-{job}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out[-4000:]}"
+    run_dir = tmp_path / "runs" / f"hpctrain-{job}"  # the job script's RUN_DIR, given to the script
+    assert "2 ranks (srun)" in out and f"run directory: {run_dir}" in out, out
+    assert "config examples/train_script.py" in out
+    assert 'name = "spirals"' in (run_dir / "config.toml").read_text()  # the script's own defaults
+    assert (run_dir / "checkpoints" / "latest").exists()
