@@ -186,3 +186,48 @@ def test_launch_supervises_a_script(tmp_path):
     assert re.search(r"starting 2 rank\(s\): mpirun .*examples/train_script.py train.epochs=1 run.run_dir=", out), out
     assert (tmp_path / "run" / "checkpoints" / "latest").exists() and 'name = "spirals"' in \
         (tmp_path / "run" / "config.toml").read_text()
+
+
+# ---------------------------------------------------------------- the language-model example
+TARGET_NATS = 1.65  # the target examples/byte_gpt.py states
+
+
+@pytest.mark.slow
+def test_byte_gpt_reaches_its_target_resumes_on_one_rank_and_exports(tmp_path):
+    """examples/byte_gpt.toml as shipped, on 2 ranks, to its stated validation loss; then 20 more
+    steps resumed on 1 rank (the same global batch); then the exported weights, loaded into the
+    example's own model in this process, score what the run reported."""
+    run_dir, data = tmp_path / "gpt", tmp_path / "bytes.h5"
+    common = ["examples/byte_gpt.toml", f"run.run_dir={run_dir}", f"data.kwargs.path={data}", "monitor.progress=log"]
+    out = hpctrain(2, "train", *common, cwd=ROOT, timeout=1500).check().output
+    reached = last_eval(out)["val_loss"]
+    assert "done at step 600" in out and reached < TARGET_NATS, out[-3000:]
+
+    out = hpctrain(1, "train", *common, "train.max_steps=620", cwd=ROOT, timeout=300).check().output
+    assert re.search(r"resumed from \S+ckpt-0*600.h5 at step 600", out) and "done at step 620" in out, out[-3000:]
+    reported = float(re.search(r"done at step 620.* val_loss (\S+)", out).group(1))
+    assert reported < TARGET_NATS
+
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    exported = tmp_path / "gpt.pt"
+    subprocess.run([PYTHON, "-m", "hpctrain", "ckpt", "export", str(latest), "--to", str(exported)], check=True,
+                   timeout=120, cwd=ROOT)
+    check = subprocess.run([PYTHON, "-c", f"""
+import sys, torch
+sys.path.insert(0, "examples")
+import byte_gpt
+torch.set_num_threads(1)
+model = byte_gpt.gpt(block=64, width=128, layers=4, heads=4)
+model.load_state_dict(torch.load({str(exported)!r}))
+model.eval()
+_, val = byte_gpt.corpus({str(data)!r}, val_fraction=0.02)
+total, n = 0.0, 0
+with torch.no_grad():
+    for lo in range(0, len(val), 128):
+        x, y = val.read(range(lo, min(lo + 128, len(val))))
+        total += float(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))) * len(y)
+        n += len(y)
+print("exported val_loss", total / n)
+"""], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert check.returncode == 0, check.stderr
+    assert float(check.stdout.split()[-1]) == pytest.approx(reported, abs=1e-3), check.stdout
