@@ -413,6 +413,10 @@ def _read_toml(path):
         except ModuleNotFoundError:
             raise ConfigError("reading TOML needs Python >= 3.11 or the tomli package",
                               hint="pip install tomli") from None
+    if str(path).endswith(".py"):
+        raise ConfigError(f"{path} is a Python script, not a TOML configuration",
+                          hint=f"run a training script as it is: mpirun -n 2 python {path} section.key=value ... "
+                               f"(the job scripts in slurm/ take it in place of the TOML file)")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

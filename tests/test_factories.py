@@ -130,3 +130,8 @@ def test_load_config_with_kwargs_table(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[model]\nfactory = "a:b"\n[model.kwargs]\nwidth = 3\n')
     assert load_config(path, ["model.kwargs.width=5"]).model.kwargs == {"width": 5}
+
+
+def test_a_script_given_as_configuration_says_how_to_run_it():
+    with pytest.raises(ConfigError, match=r"is a Python script(.|\n)*python examples/train_script.py"):
+        load_config("examples/train_script.py")

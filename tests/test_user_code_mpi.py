@@ -95,9 +95,9 @@ lr = 0.05
 [monitor]
 log_every = 100
 """)
-    out = hpctrain(2, "train", str(cfg), cwd=tmp_path, timeout=150).check().output
+    out = hpctrain(2, "train", str(cfg), "comm.backend=mpi", cwd=tmp_path, timeout=150).check().output
     scores = last_eval(out)
-    assert set(scores) == {"val_loss", "val_abs_error", "val_max_error_mean"}, out
+    assert "mpi backend" in out and set(scores) == {"val_loss", "val_abs_error", "val_max_error_mean"}, out
     assert "val_accuracy" not in out
     assert scores["val_loss"] < 0.2 and 0 < scores["val_abs_error"] < scores["val_max_error_mean"], out
     # metrics.jsonl has the same names
