@@ -19,3 +19,22 @@ def test_python_script_through_train_sbatch(slurm_cluster, tmp_path):
     assert "config examples/train_script.py" in out
     assert 'name = "spirals"' in (run_dir / "config.toml").read_text()  # the script's own defaults
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+def test_user_model_config_through_preemptible_sbatch(slurm_cluster, tmp_path):
+    """The README's first example: a TOML naming the user's model and data (here the byte GPT,
+    tiny), run from slurm/preemptible.sbatch with a model.kwargs override; it trains, resumes
+    nothing, checkpoints, and the resolved arguments are in the run's config.toml."""
+    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs")})
+    job = slurm_cluster.sbatch(ROOT / "slurm" / "preemptible.sbatch", "examples/byte_gpt.toml",
+                               f"data.kwargs.path={tmp_path}/bytes.h5", "data.kwargs.max_bytes=200000",
+                               "model.kwargs.width=32", "model.kwargs.layers=1", "model.kwargs.heads=2",
+                               "train.max_steps=10", "train.eval_every=10", "monitor.log_every=5",
+                               env=env, options=[f"--output={tmp_path}/%x-%j.out"])
+    (record,) = slurm_cluster.wait(job, 300)
+    out = (tmp_path / f"hpctrain-preemptible-{job}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out[-4000:]}"
+    assert "2 ranks (srun)" in out and "done at step 10" in out and "val_bits_per_byte" in out, out
+    run_dir = tmp_path / "runs" / f"hpctrain-preemptible-{job}"
+    assert '"width" = 32' in (run_dir / "config.toml").read_text()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "ckpt-00000010.h5"
