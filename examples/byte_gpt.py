@@ -3,12 +3,13 @@
 The corpus exists offline on every machine with Python: the ``*.py`` files under
 ``sysconfig.get_paths()["stdlib"]`` (site-packages left out), sorted by path and joined, the
 first ``max_bytes`` of them. The last ``val_fraction`` of those bytes is the validation split
-(other files than the training ones: a real held-out score). The first call of :func:`corpus`
+(the last files in that order: text the model never trains on). The first call of :func:`corpus`
 caches the bytes as HDF5 (rank 0; the other ranks are only called once it is written).
 
 Target: validation loss below 1.65 nats per byte (2.38 bits per byte) after the 600 steps of
 examples/byte_gpt.toml on 2 ranks. Measured: 1.499 (2.16 bits, 60% of next bytes right), with
-3.6 CPU-minutes over the 2 ranks (about 2 minutes on an idle 2-core machine). A model that has
+3.6 CPU-minutes over the 2 ranks on a busy 2-core machine (load average 12-18; on an idle one that
+should be about 2 minutes of wall time, not measured). A model that has
 learnt nothing scores ln 256 = 5.55 nats; gzip -9 compresses the validation bytes to 1.44 bits
 per byte, so this short run is a test of the machinery, not a good language model: train longer
 (train.max_steps, a larger model.kwargs.width) for one.
@@ -24,9 +25,10 @@ export the weights as a plain state dict:
 
     mpirun -n 2 hpctrain train examples/byte_gpt.toml run.run_dir=runs/gpt train.max_steps=200
     mpirun -n 1 hpctrain train examples/byte_gpt.toml run.run_dir=runs/gpt
-    hpctrain ckpt export runs/gpt/checkpoints/latest --to gpt.pt
+    hpctrain ckpt export runs/gpt/checkpoints/$(cat runs/gpt/checkpoints/latest) --to gpt.pt
 
-Nothing here knows about hpctrain except the configuration naming these functions:
+The model and metric are plain PyTorch (the data factory borrows hpctrain's atomic file write);
+the configuration is what names them:
 ``model.factory = "byte_gpt:gpt"``, ``data.factory = "byte_gpt:corpus"``,
 ``train.metrics = "byte_gpt:bits_per_byte"``, with ``run.python_path = ["examples"]``.
 """
