@@ -1,5 +1,7 @@
 """A Python training script as the job: `sbatch slurm/train.sbatch SCRIPT.py overrides` on a real
 single-node Slurm cluster runs it with srun --mpi=pmix on every task, in the job's run directory."""
+import re
+
 import pytest
 
 from mpi_harness import ROOT
@@ -38,3 +40,17 @@ def test_user_model_config_through_preemptible_sbatch(slurm_cluster, tmp_path):
     run_dir = tmp_path / "runs" / f"hpctrain-preemptible-{job}"
     assert '"width" = 32' in (run_dir / "config.toml").read_text()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "ckpt-00000010.h5"
+
+
+def test_python_script_through_resilient_sbatch(slurm_cluster, tmp_path):
+    """resilient.sbatch hands the script to `hpctrain launch`, which starts it with srun itself."""
+    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs")})
+    job = slurm_cluster.sbatch(ROOT / "slurm" / "resilient.sbatch", "examples/train_script.py", "train.epochs=1",
+                               env=env, options=[f"--output={tmp_path}/%x-%j.out"])
+    (record,) = slurm_cluster.wait(job, 300)
+    out = (tmp_path / f"hpctrain-resilient-{job}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out[-4000:]}"
+    run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
+    assert re.search(r"starting 2 rank\(s\): srun --mpi=pmix .* examples/train_script.py checkpoint.resume=auto "
+                     r"train.epochs=1 run.run_dir=", out), out
+    assert f"run directory: {run_dir}" in out and (run_dir / "checkpoints" / "latest").exists(), out
