@@ -54,3 +54,22 @@ def test_python_script_through_resilient_sbatch(slurm_cluster, tmp_path):
     assert re.search(r"starting 2 rank\(s\): srun --mpi=pmix .* examples/train_script.py checkpoint.resume=auto "
                      r"train.epochs=1 run.run_dir=", out), out
     assert f"run directory: {run_dir}" in out and (run_dir / "checkpoints" / "latest").exists(), out
+
+
+def test_python_script_through_preemptible_sbatch_requeues_and_resumes(slurm_cluster, tmp_path):
+    """The warning signal reaches the script's ranks; they save and exit 3; the job requeues
+    itself and the script, started again with checkpoint.resume=auto, continues to the end."""
+    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs")})
+    job = slurm_cluster.sbatch(ROOT / "slurm" / "preemptible.sbatch", "examples/train_script.py", "train.epochs=20",
+                               "monitor.progress=log", env=env, options=[f"--output={tmp_path}/%x-%j.out"])
+    output = tmp_path / f"hpctrain-preemptible-{job}.out"
+    slurm_cluster.wait_for(lambda: output.exists() and "step 20/" in output.read_text(), 300,
+                           f"job {job} to reach step 20", poll=0.2)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    (record,) = slurm_cluster.wait(job, 400)
+    out = output.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out[-4000:]}"
+    stop = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
+    assert "exit status 3" in out and f"requeued Slurm job {job}" in out, out
+    second = out.split("(start 2)")[1]
+    assert f"at step {stop}" in second and "done at step 1120" in second, out  # 20 epochs x 56 steps
