@@ -67,6 +67,9 @@ class RunConfig:
     root: Optional[str] = None  # default: $HPCTRAIN_RUN_ROOT or ./runs
     run_dir: Optional[str] = None  # default: <root>/<name>-<YYYYmmdd-HHMMSS>; reuse one to resume
     seed: int = 0
+    # directories put first on the import path (with the working directory) for the factories
+    # that [model], [data] and [train] name; relative to the working directory
+    python_path: list = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +84,10 @@ class ModelConfig:
     residual: bool = False
     layer_norm: bool = False
     dropout: float = 0.0
+    # Your own model instead (hpctrain/factories.py): "package.module:function" returning an
+    # nn.Module, called with the keyword arguments of [model.kwargs]; the fields above are then unused.
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +102,10 @@ class DataConfig:
     generate: str = "none"  # create ``path`` on rank 0 if missing: "digits", "teacher" or "none"
     samples: int = 65536  # teacher corpus: training samples
     val_samples: int = 4096  # teacher corpus: validation samples
+    # Your own data instead: "package.module:function" returning (train, val) datasets, or one
+    # (no evaluation); called with [data.kwargs], on rank 0 first, then on the other ranks.
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +139,10 @@ class LoopConfig:
     max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
     max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
     rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
+    # loss(output, target) -> scalar: a built-in name (factories.LOSSES) or "package.module:function"
+    loss: str = "cross_entropy"
+    # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
+    metrics: str = ""
 
 
 @dataclass
@@ -202,6 +217,8 @@ class TrainConfig:
                     lines.append(f"{key} = {'true' if value else 'false'}")
                 elif isinstance(value, (int, float)):
                     lines.append(f"{key} = {value!r}")
+                elif isinstance(value, (dict, list)):
+                    lines.append(f"{key} = {_toml_value(value)}")
                 else:
                     lines.append(f"{key} = {json.dumps(str(value))}")
             lines.append("")
@@ -261,6 +278,8 @@ def _convert(value, kind, optional, name, source, from_text):
         return ConfigError(f"{source}: {name} = {value!r} is not {expected}",
                            hint=f"give {name} {expected}, e.g. {name}={_example(kind)}")
 
+    if kind in (dict, list):
+        return _convert_table(value, kind, name, source, from_text)
     if from_text:
         text = value.strip()
         if optional and text.lower() in ("", "none", "null"):
@@ -304,7 +323,53 @@ def _convert(value, kind, optional, name, source, from_text):
 
 
 def _example(kind):
-    return {bool: "true", int: "10", float: "0.5"}.get(kind, "name")
+    return {bool: "true", int: "10", float: "0.5", dict: "{width = 64}", list: '["src"]'}.get(kind, "name")
+
+
+def parse_literal(text):
+    """A ``key=value`` override's value for a keyword argument: a TOML literal (``64``, ``0.5``,
+    ``true``, ``"text"``, ``[1, 2]``, ``{a = 1}``); anything that is not one is taken as a string.
+
+    >>> parse_literal("1024"), parse_literal("[1, 2]"), parse_literal("gelu")
+    (1024, [1, 2], 'gelu')
+    """
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
+
+
+def _convert_table(value, kind, name, source, from_text):
+    """``dict`` fields (keyword arguments: any TOML values) and ``list`` fields (of strings)."""
+    if from_text:
+        text = value.strip()
+        if kind is list and not text.startswith("["):
+            value = [part.strip() for part in text.split(",") if part.strip()]  # a,b,c
+        else:
+            value = parse_literal(text)
+    if kind is dict and not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a table of keyword arguments",
+                          hint=f"write it as [{name}] with one key = value per line, or {name} = {{width = 64}}; "
+                               f"one argument from the command line: {name}.width=64")
+    if kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a list of strings",
+                          hint=f'e.g. {name} = ["src", "../shared"] (or {name}=src,../shared on the command line)')
+    return dict(value) if kind is dict else list(value)
+
+
+def _toml_value(value):
+    """TOML text for a value of a ``dict``/``list`` field (inline tables and arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
 
 
 def apply_override(cfg, text, source="command line"):
@@ -314,11 +379,28 @@ def apply_override(cfg, text, source="command line"):
                           hint="write overrides as section.key=value, e.g. train.batch_size=32")
     dotted, value = text.split("=", 1)
     dotted = dotted.strip()
+    if dotted.count(".") == 2:  # section.kwargs.name=value: one keyword argument of a factory
+        return _apply_argument_override(cfg, dotted, value, source)
     if dotted.count(".") != 1:
         raise ConfigError(f"{source}: {dotted!r} is not a section.key name",
                           hint=f"valid sections: {', '.join(section_names())}; e.g. train.lr=0.1")
     section, key = dotted.split(".")
     _set(_section(cfg, section, source), section, key, value, source, from_text=True)
+    return cfg
+
+
+def _apply_argument_override(cfg, dotted, value, source):
+    section, key, name = dotted.split(".")
+    target = _section(cfg, section, source)
+    if key not in _fields(target) or _field_type(target, key)[0] is not dict:
+        tables = [f"{s}.{f}" for s in section_names() for f, _ in _fields(getattr(cfg, s)).items()
+                  if _field_type(getattr(cfg, s), f)[0] is dict]
+        raise ConfigError(f"{source}: {dotted!r}: {section}.{key} is not a table of keyword arguments",
+                          hint=f"section.key=value for a setting; section.table.name=value only for "
+                               f"{', '.join(tables)} (e.g. model.kwargs.width=1024)")
+    if not name:
+        raise ConfigError(f"{source}: {dotted!r} names no argument", hint=f"e.g. {section}.{key}.width=1024")
+    getattr(target, key)[name] = parse_literal(value)
     return cfg
 
 
@@ -331,6 +413,10 @@ def _read_toml(path):
         except ModuleNotFoundError:
             raise ConfigError("reading TOML needs Python >= 3.11 or the tomli package",
                               hint="pip install tomli") from None
+    if str(path).endswith(".py"):
+        raise ConfigError(f"{path} is a Python script, not a TOML configuration",
+                          hint=f"run a training script as it is: mpirun -n 2 python {path} section.key=value ... "
+                               f"(the job scripts in slurm/ take it in place of the TOML file)")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -474,9 +560,10 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout = {cfg.model.dropout} must be in [0, 1)", hint="e.g. model.dropout=0.1")
     choice("data.generate", cfg.data.generate, GENERATORS)
-    if need_data and not cfg.data.path:
+    if need_data and not cfg.data.path and not cfg.data.factory:
         raise ConfigError("data.path is not set: no training data",
-                          hint='set data.path = "data/digits.h5" (with data.generate = "digits" to create it)')
+                          hint='set data.path = "data/digits.h5" (with data.generate = "digits" to create it), '
+                               'or data.factory = "package.module:function" for your own data')
     if cfg.data.generate == "digits" and (cfg.model.in_features, cfg.model.num_classes) != (64, 10):
         raise ConfigError(f"data.generate = \"digits\" makes 64 features and 10 classes, but model.in_features = "
                           f"{cfg.model.in_features} and model.num_classes = {cfg.model.num_classes}",
@@ -501,4 +588,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
     if not cfg.run.name or os.sep in cfg.run.name:
         raise ConfigError(f"run.name = {cfg.run.name!r} must be a non-empty name without {os.sep!r}",
                           hint='e.g. run.name = "digits"')
+    from .factories import check_factories
+
+    check_factories(cfg, need_data=need_data)  # the user's import paths and keyword arguments
     return cfg

@@ -164,7 +164,8 @@ class _MapDataset:
         import torch
 
         items = [self.data[int(i)] for i in indices]
-        return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.as_tensor([int(y) for _, y in items])
+        # targets of any shape: class numbers, token sequences, regression values
+        return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
 
 
 # ---------------------------------------------------------------- generated files

@@ -1,6 +1,8 @@
 """The models that configurations name (``[model] name = ...``).
 
-Users with their own model pass it to :class:`hpctrain.training.trainer.Trainer` instead.
+Your own model instead: name its function in the configuration (``[model] factory =
+"mypkg.models:build"`` with ``[model.kwargs]``, see :mod:`hpctrain.factories`), or pass the
+module to :class:`hpctrain.training.trainer.Trainer` from a script.
 
 * ``mlp``: flatten, ``depth`` hidden layers of width ``hidden``, a linear classifier. With
   ``residual = true`` the hidden layers are pre-norm residual blocks

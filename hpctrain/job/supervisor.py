@@ -189,7 +189,9 @@ class Plan:
     excluded: list = field(default_factory=list)
 
     def rank_command(self, relaunch):
-        cmd = [self.python, "-m", "hpctrain", "train", self.config, *self.overrides, f"run.run_dir={self.run_dir}"]
+        # a Python script runs as it is, with the same overrides (it takes section.key=value)
+        program = [self.config] if is_script(self.config) else ["-m", "hpctrain", "train", self.config]
+        cmd = [self.python, *program, *self.overrides, f"run.run_dir={self.run_dir}"]
         if relaunch:
             cmd.append("checkpoint.resume=auto")  # the last override wins: resume what the failed launch saved
         return cmd
@@ -201,6 +203,11 @@ class Plan:
     @property
     def metrics_file(self):
         return os.path.join(self.run_dir, METRICS_FILE)
+
+
+def is_script(config):
+    """A ``.py`` file is a training script run as it is; anything else a TOML configuration."""
+    return str(config).endswith(".py")
 
 
 def _slurm_hosts(environ):
@@ -221,7 +228,12 @@ def make_plan(args, environ=None):
     from ..errors import ConfigError
 
     env = os.environ if environ is None else environ
-    cfg = load_config(args.config, args.overrides)
+    # a script's own defaults are not known here: its overrides alone say what it will be told
+    cfg = load_config(None if is_script(args.config) else args.config, args.overrides)
+    if is_script(args.config) and not os.path.isfile(args.config):
+        raise ConfigError(f"training script {args.config} does not exist",
+                          hint="give the path of a Python script (relative to the working directory), "
+                               "or a TOML configuration")
     extra = shlex.split(args.launcher_args or "")
     use_srun = args.launcher == "srun" or (args.launcher == "auto" and in_slurm_allocation(env))
     hosts = None
@@ -495,7 +507,8 @@ def build_parser():
                         metavar="ARGS", help="more arguments for mpirun or srun, one string "
                                              "(e.g. --mpirun-args='--oversubscribe --bind-to none')")
     parser.add_argument("--python", default=None, help="the Python the ranks run (default: this one)")
-    parser.add_argument("config", help="TOML configuration file")
+    parser.add_argument("config", help="TOML configuration file, or a Python training script (.py) that takes "
+                                       "section.key=value overrides")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override a configuration value, e.g. train.lr=0.05")
     return parser

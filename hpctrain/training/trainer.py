@@ -79,6 +79,7 @@ class Run:
     skips: int = 0  # consecutive steps whose non-finite gradients were not applied
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
     evaluated_at: Optional[int] = None  # the step of the last evaluation
+    metrics_fn: Any = None  # train.metrics: (output, target) -> {name: (sum, count)}
 
 
 class Trainer:
@@ -150,7 +151,8 @@ class Trainer:
 
         from ..backends import get_backend
         from ..data import ShardSampler
-        from ..models import build_model, count_parameters
+        from ..factories import build_loss, build_metrics, build_model
+        from ..models import count_parameters
         from ..world import init_world
 
         world = self.world = self.world or init_world()
@@ -176,7 +178,8 @@ class Trainer:
             all_or_none(lambda: _check_enough_data(sampler), comm)
 
         torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
-        model = self.model if self.model is not None else build_model(cfg.model)
+        # [model] factory (or the built-in MLP); a failure on one rank is raised on all
+        model = self.model if self.model is not None else all_or_none(lambda: build_model(cfg.model), comm)
         model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
         optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
@@ -212,7 +215,7 @@ class Trainer:
         model.train()
         return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
                    PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
-                   self.loss_fn or torch.nn.CrossEntropyLoss(), base_lr)
+                   self.loss_fn or build_loss(cfg.train.loss), base_lr, metrics_fn=build_metrics(cfg.train.metrics))
 
     def _train_epoch(self, run):
         """Train from where the run stands to the end of its epoch, or until it must stop."""
@@ -384,11 +387,12 @@ class Trainer:
         import torch
 
         from ..data import eval_shard
+        from . import evaluation
 
         model, val, world, t = run.state.model, run.val, run.world, run.cfg.train
         indices = eval_shard(len(val), world.rank, world.size)
         size = t.eval_batch_size or t.batch_size
-        sums = torch.zeros(3, dtype=torch.float64)  # loss x count, correct, count
+        totals = {"loss": (0.0, 0)}  # name -> (sum, count): val_loss, val_accuracy where it applies, train.metrics
         model.eval()
         with torch.no_grad():
             for lo in range(0, len(indices), size):
@@ -396,14 +400,11 @@ class Trainer:
                 x, y = x.to(world.device), y.to(world.device)
                 with _autocast(t.precision, world.device):
                     out = model(x)
-                sums[0] += float(run.loss_fn(out.float(), y)) * len(y)
-                if out.dim() == 2 and not y.dtype.is_floating_point:
-                    sums[1] += float((out.argmax(dim=1) == y).sum())
-                sums[2] += len(y)
+                evaluation.add(totals, evaluation.score_batch(out.float(), y, run.loss_fn, run.metrics_fn))
         model.train()
-        # Sums, not per-rank means: ranks may hold different numbers of samples.
-        loss_sum, correct, count = run.backend.allreduce_mean(sums).tolist()
-        run.metrics = {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
+        # Sums, not per-rank means: ranks may hold different numbers of samples. Added in rank
+        # order on every rank, so all report the same numbers.
+        run.metrics = evaluation.means(evaluation.combine(world.comm.allgather(totals)))
         run.evaluated_at = run.state.progress.step
         for cb in run.callbacks:
             _call(cb, "on_eval", run.state, run.metrics)
@@ -412,9 +413,12 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
     def _datasets(self, cfg, world):
         from ..data import as_dataset, generate, open_splits
+        from ..factories import build_data
 
         if self.train_data is not None:
             return as_dataset(self.train_data), as_dataset(self.val_data)
+        if cfg.data.factory:  # the user's datasets: rank 0 builds them first (a cache it writes)
+            return build_data(cfg.data, world.comm)
         if cfg.data.generate != "none":
             # One rank writes the file; the others wait for it (or for its error).
             on_root(lambda: None if os.path.exists(cfg.data.path)

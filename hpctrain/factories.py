@@ -1,0 +1,221 @@
+"""The user's own model, data, loss and metrics, named in the configuration by import path.
+
+    [run]
+    python_path = ["src"]                 # importable besides the working directory
+
+    [model]
+    factory = "mypkg.models:make_net"     # -> an nn.Module
+    kwargs = { width = 256, depth = 4 }   # or a [model.kwargs] table; model.kwargs.width=1024 overrides
+
+    [data]
+    factory = "mypkg.data:splits"         # -> (train, val) datasets, or one dataset (no evaluation)
+    kwargs = { path = "data/corpus.h5" }
+
+    [train]
+    loss = "cross_entropy"                # a name in LOSSES, or "mypkg.losses:my_loss"
+    metrics = "mypkg.metrics:scores"      # optional: (output, target) -> {name: (sum, count)}
+
+:func:`check_factories` runs inside ``config.validate`` (every rank, before any collective): each
+path is imported and its keyword arguments are bound to the function's signature, so a typo fails
+at once, on every rank alike, as a :class:`ConfigError` naming the key, the path and the fix.
+The calls (:func:`build_model`, :func:`build_data`, ...) happen in the trainer's set-up.
+
+A dataset is anything with ``__len__`` and ``read(indices) -> (x, y)`` (see
+:class:`hpctrain.data.ArrayDataset`), or a map-style torch dataset (``dataset[i] -> (x, y)``).
+The data factory runs on rank 0 first and on the other ranks only after it returned, so a
+factory that prepares a file when it is missing (download, tokenise, cache as HDF5) does that
+once: the other ranks find the file made.
+"""
+import importlib
+import inspect
+import os
+import sys
+import traceback
+
+from .errors import ConfigError
+
+# The losses a configuration names without an import path: loss(output, target) -> scalar.
+LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits")
+
+
+# ---------------------------------------------------------------- import paths
+def make_importable(python_path=()):
+    """Put the working directory and ``run.python_path`` first on ``sys.path`` (once each)."""
+    for entry in reversed([os.getcwd(), *python_path]):
+        path = os.path.abspath(entry)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def resolve(spec, key):
+    """The object ``"package.module:attribute"`` names; ``key`` (``model.factory``) is the
+    setting that named it, for the message. Raises :class:`ConfigError`."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} = {spec!r} is not an import path of the form \"package.module:function\"",
+                          hint=f'e.g. {key} = "mypkg.models:make_net" (a module importable from the working '
+                               f'directory or run.python_path, a colon, then the function)')
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ConfigError(f"{key} = {spec!r}: no module named {exc.name!r} (searched the working directory "
+                              f"{os.getcwd()}, run.python_path and the installed packages)",
+                              hint=f"check the spelling, run from the directory that holds {module_name.split('.')[0]}/, "
+                                   f"or add its parent directory to run.python_path (e.g. run.python_path=src)"
+                              ) from None
+        raise ConfigError(f"{key} = {spec!r}: importing {module_name} failed: it imports {exc.name!r}, which is "
+                          f"not installed", hint=f"install {exc.name} in the environment the ranks run in") from None
+    except Exception as exc:  # a syntax error or an exception at import time in the user's module
+        raise ConfigError(f"{key} = {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
+                          f"{_where(exc)}", hint=f"fix {module_name} (try: python -c 'import {module_name}')") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+            raise ConfigError(f"{key} = {spec!r}: module {module_name} ({getattr(module, '__file__', '?')}) has no "
+                              f"attribute {attr!r}",
+                              hint=f"callables in {module_name}: {', '.join(names) or '(none)'}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{key} = {spec!r} is a {type(target).__name__}, not a function or class",
+                          hint=f"name a function that returns what {key} needs")
+    return target
+
+
+def _signature(fn):
+    try:
+        return f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def _where(exc):
+    """`` (at file:line)`` of the innermost frame of an exception, for a one-line message."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def check_arguments(fn, kwargs, key, spec):
+    """Bind ``kwargs`` to ``fn``'s signature: a missing or unknown argument is a ConfigError
+    with the TypeError's text and the signature."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the call will tell
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        table = key.rsplit(".", 1)[0] + ".kwargs"
+        raise ConfigError(f"{key} = {spec!r} cannot be called with {table} = {kwargs!r}: {exc}; its signature "
+                          f"is {_signature(fn)}",
+                          hint=f"give {table} exactly the keyword arguments that signature takes "
+                               f"(one from the command line: {table}.NAME=VALUE)") from None
+
+
+def call(spec, kwargs, key):
+    """``spec(**kwargs)``; an exception in the call becomes a ConfigError naming both."""
+    fn = resolve(spec, key)
+    check_arguments(fn, kwargs, key, spec)
+    try:
+        return fn(**kwargs)
+    except Exception as exc:
+        raise ConfigError(f"{key} = {spec!r}: calling it with {kwargs!r} raised {type(exc).__name__}: "
+                          f"{exc}{_where(exc)}", hint=f"fix the call or its arguments; "
+                                                      f"signature {_signature(fn)}") from exc
+
+
+# ---------------------------------------------------------------- validation
+def check_factories(cfg, need_data=True):
+    """Import every path the configuration names and bind its keyword arguments (no call)."""
+    make_importable(cfg.run.python_path)
+    sections = [("model", cfg.model)] + ([("data", cfg.data)] if need_data else [])
+    for section, table in sections:
+        if table.factory:
+            check_arguments(resolve(table.factory, f"{section}.factory"), table.kwargs, f"{section}.factory",
+                            table.factory)
+        elif table.kwargs:
+            raise ConfigError(f"{section}.kwargs = {table.kwargs!r} is set but {section}.factory is not: "
+                              f"nothing to pass them to",
+                              hint=f'set {section}.factory = "package.module:function", or remove {section}.kwargs')
+    if cfg.train.loss not in LOSSES:
+        if ":" not in cfg.train.loss:
+            raise ConfigError(f"train.loss = {cfg.train.loss!r} is neither a built-in loss ({', '.join(LOSSES)}) "
+                              f"nor an import path", hint='e.g. train.loss = "mse", or "mypkg.losses:my_loss"')
+        resolve(cfg.train.loss, "train.loss")
+    if cfg.train.metrics:
+        resolve(cfg.train.metrics, "train.metrics")
+
+
+# ---------------------------------------------------------------- building
+def build_model(model_cfg):
+    """The ``nn.Module`` of ``[model]``: the factory's, else the built-in one
+    (:func:`hpctrain.models.build_model`)."""
+    from torch import nn
+
+    from .models import build_model as build_builtin
+
+    if not model_cfg.factory:
+        return build_builtin(model_cfg)
+    model = call(model_cfg.factory, model_cfg.kwargs, "model.factory")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.factory = {model_cfg.factory!r} returned a {type(model).__name__}, not a "
+                          f"torch nn.Module", hint="return the model (an nn.Module) from the factory")
+    return model
+
+
+def build_data(data_cfg, comm):
+    """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``.
+    Collective: rank 0 calls the factory first, the others after it returned; an error on
+    any rank is raised on every rank."""
+    from .coordination import all_or_none, on_root
+
+    made = {}
+
+    def first():
+        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory)
+
+    on_root(first, comm)  # only the outcome travels; the datasets stay on rank 0
+    if comm.Get_rank() == 0:
+        return all_or_none(lambda: made["data"], comm)
+    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory),
+                       comm)
+
+
+def _splits(result, spec):
+    from .data import as_dataset
+
+    train, val = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
+    try:
+        return as_dataset(train), as_dataset(val)
+    except TypeError as exc:
+        raise ConfigError(f"data.factory = {spec!r} returned {type(result).__name__}: {exc}",
+                          hint="return (train, val) (val may be None) or one dataset") from None
+
+
+def build_loss(name):
+    """``loss(output, target) -> scalar`` for ``train.loss``. A class named by path is
+    instantiated without arguments (``torch.nn.HuberLoss``)."""
+    if name in LOSSES:
+        return _builtin_loss(name)
+    fn = resolve(name, "train.loss")
+    return fn() if inspect.isclass(fn) else fn
+
+
+def build_metrics(spec):
+    """``metrics(output, target)`` for ``train.metrics``, or None."""
+    return resolve(spec, "train.metrics") if spec else None
+
+
+def _builtin_loss(name):
+    import torch.nn.functional as F
+
+    if name == "cross_entropy":
+        def cross_entropy(output, target):
+            # per-token logits (B, T, C) with targets (B, T): the mean over all tokens
+            if output.dim() > 2 and target.dim() == output.dim() - 1 and not target.dtype.is_floating_point:
+                return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+            return F.cross_entropy(output, target)
+        return cross_entropy
+    return {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss,
+            "bce_with_logits": F.binary_cross_entropy_with_logits}[name]

@@ -1,0 +1,67 @@
+"""What an evaluation measures, batch by batch, and how the ranks' parts add up.
+
+Every score is a pair ``(sum, count)`` summed over batches and then over ranks, in rank
+order (exact: no mean of means), and reported as ``val_<name> = sum / count``:
+
+* ``loss``: the loss of each batch times its number of samples; always.
+* ``accuracy``: only where it means something: logits ``(B, C)`` with integer targets ``(B,)``
+  (correct samples), or per-token logits ``(B, T, C)`` with integer targets ``(B, T)``
+  (correct tokens).
+* the ``train.metrics`` function's, ``metrics(output, target) -> {name: (sum, count)}``; a plain
+  number instead of a pair is taken as the batch's mean over its ``len(target)`` samples.
+
+>>> totals = {}
+>>> add(totals, {"loss": (2.0, 4), "accuracy": (3.0, 4)})
+>>> add(totals, {"loss": (1.0, 2), "accuracy": (1.0, 2)})
+>>> means(combine([totals]))
+{'val_loss': 0.5, 'val_accuracy': 0.6666666666666666}
+"""
+import math
+
+
+def score_batch(output, target, loss_fn, metrics_fn=None):
+    """``{name: (sum, count)}`` of one batch (output in fp32)."""
+    n = len(target)
+    scores = {"loss": (float(loss_fn(output, target)) * n, n)}
+    if not target.dtype.is_floating_point:
+        if output.dim() == 2 and target.dim() == 1:
+            scores["accuracy"] = (float((output.argmax(dim=1) == target).sum()), n)
+        elif output.dim() == 3 and target.dim() == 2 and output.shape[:2] == target.shape:
+            scores["accuracy"] = (float((output.argmax(dim=-1) == target).sum()), target.numel())
+    if metrics_fn is not None:
+        for name, value in _user_scores(metrics_fn(output, target), n).items():
+            scores[name] = value
+    return scores
+
+
+def _user_scores(result, n):
+    if not isinstance(result, dict):
+        raise TypeError(f"train.metrics returned {type(result).__name__}, not a dict of name -> (sum, count)")
+    scores = {}
+    for name, value in result.items():
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            scores[str(name)] = (float(value[0]), float(value[1]))
+        else:  # a mean over the batch's samples
+            scores[str(name)] = (float(value) * n, n)
+    return scores
+
+
+def add(totals, scores):
+    """Add one batch's scores to running ``totals`` (in place)."""
+    for name, (s, c) in scores.items():
+        ts, tc = totals.get(name, (0.0, 0))
+        totals[name] = (ts + s, tc + c)
+
+
+def combine(per_rank):
+    """The totals of every rank (a list in rank order, as ``comm.allgather`` gives) added up."""
+    totals = {}
+    for part in per_rank:
+        add(totals, part)
+    return totals
+
+
+def means(totals):
+    """``{"val_<name>": sum / count}``; loss first, then accuracy, then the rest by name."""
+    order = sorted(totals, key=lambda k: ({"loss": 0, "accuracy": 1}.get(k, 2), k))
+    return {f"val_{name}": (totals[name][0] / totals[name][1] if totals[name][1] else math.nan) for name in order}
