@@ -210,7 +210,7 @@ def ckpt_section(docs, verdicts):
 
 
 def extra_section(docs):
-    known = ("allreduce-", "train_step-", "ckpt_io-")
+    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-")  # comm_modes: its own section
     other = {k: v for k, v in docs.items() if not k.startswith(known)}
     lines = []
     for name, doc in other.items():
@@ -244,6 +244,9 @@ def render(out):
     lines += ckpt_section(docs, verdicts)
     lines += scaling_section(docs)
     lines += extra_section(docs)
+    from comm_modes import section as comm_modes_section
+
+    lines += comm_modes_section(out)
     if verdicts:
         lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
         lines += [f"| {name} | {fmt(value)} | {verdict} |" for name, value, verdict in verdicts]
