@@ -60,6 +60,7 @@ class OneRank:
 
     compression = "none"
     size = 1
+    rank = 0
 
     class world:  # noqa: N801 - the attribute the mode reads
         class comm:  # noqa: N801
@@ -107,3 +108,23 @@ def test_nesterov_outer_step_follows_slowmo():
             assert model.weight.item() == pytest.approx(expected)
     saved = mode.checkpoint_tensors()
     assert list(saved) == ["outer_momentum/weight"] and saved["outer_momentum/weight"].item() == pytest.approx(m)
+
+
+def test_local_sgd_leaves_out_a_local_step_with_non_finite_gradients_on_this_rank_alone():
+    cfg = check("comm.mode=local_sgd", "comm.sync_every=4").comm
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = comm_modes.build(cfg, OneRank(), model)
+
+    class State:
+        optimizer = opt
+
+        class progress:  # noqa: N801
+            step = 0
+
+    mode.start(State)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    # no collective to agree on it: the trainer sees nothing to apply, so its policy never runs
+    assert mode.synchronize_gradients(opt, 1) is False and mode.local_skips == 1
+    assert mode.may_save(1) is False  # not a synchronisation point

@@ -38,6 +38,7 @@ import logging
 from ..coordination import everywhere
 from ..errors import HpctrainError
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
+from . import nonfinite
 
 log = logging.getLogger("hpctrain")
 
@@ -175,6 +176,7 @@ class LocalSGD(Sync):
         self._synced = True  # the replicas are one model now
         self._synced_at = 0  # the last step that ended synchronised
         self.syncs = 0
+        self.local_skips = 0  # local steps whose non-finite gradients this rank did not apply
 
     def wrap_optimizer(self, optimizer, model, accumulation):
         # The plain optimizer: no hooks that average every step (Horovod's would).
@@ -210,8 +212,17 @@ class LocalSGD(Sync):
             for p, chunk in zip(params, _views(flat, params)):
                 p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
             self._anchor_fresh = False
-        elif not self._anchor_fresh:
-            self._refresh_anchor()  # the last synchronised model, before the first local update
+        else:
+            if not self._anchor_fresh:
+                self._refresh_anchor()  # the last synchronised model, before the first local update
+            if not nonfinite.grads_finite(optimizer):
+                # Local gradients: the other ranks may not agree, and the trainer's skip, rollback
+                # or stop must be the same on every rank. This rank's update is left out alone.
+                self.local_skips += 1
+                log.warning("rank %d: non-finite gradients at step %d (comm.mode local_sgd): this rank's update "
+                            "is skipped; the next average brings it back to the others", self.backend.rank, step)
+                self._synced = False
+                return False
         self._synced = step <= self.warmup
         return True
 
