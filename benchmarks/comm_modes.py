@@ -131,7 +131,8 @@ def main():
         f"train.eval_every={args.eval_every}", f"comm.backend={args.backend}",
         f"comm.compression={args.compression}", f"comm.mode={args.mode}",
         f"run.root={os.path.join(out_dir, 'runs')}", f"run.name=comm_modes-{args.mode}",
-        "monitor.progress=off", "monitor.log_every=16", "monitor.gather_every=4", "checkpoint.on_epoch_end=false", "checkpoint.on_finish=false",
+        "monitor.progress=off", "monitor.log_every=16", "monitor.gather_every=4",
+        "checkpoint.on_epoch_end=false", "checkpoint.on_finish=false",
     ]
     if args.mode == "local_sgd":
         overrides += [f"comm.sync_every={args.sync_every}", f"comm.outer_optimizer={args.outer}"]
@@ -159,7 +160,8 @@ def main():
         sent = mode.sent_bytes
     deltas = np.diff(record.ends)[len(record.ends) // 8:]  # after the first eighth: warm
     results = {
-        "data": args.data, "mode": args.mode, "sync_every": args.sync_every if args.mode == "local_sgd" else None,
+        "data": args.data, "mode": args.mode,
+        "sync_every": args.sync_every if args.mode == "local_sgd" else None,
         "outer": args.outer if args.mode == "local_sgd" else None, "backend": args.backend,
         "compression": args.compression, "steps": steps, "wall_s": wall, "parameters": params,
         # the mean, not the median: local SGD waits only at its averages

@@ -75,7 +75,8 @@ def comm_modes_plan(quick, out, j):
     data_dir = ["--data-dir", os.path.join(out, "comm_modes-data")]
     size = {"digits": [], "teacher": (["--hidden", "64", "--depth", "2", "--samples", "4096"] if quick
                                       else ["--hidden", "512", "--depth", "4", "--samples", "32768"])}
-    steps = ["--steps", "64", "--eval-every", "64", "--batch", "16"] if quick else ["--steps", "1024", "--eval-every", "64"]
+    steps = (["--steps", "64", "--eval-every", "64", "--batch", "16"] if quick
+             else ["--steps", "1024", "--eval-every", "64"])
     modes = [("sync", []), ("stale", ["--mode", "stale"])] + [
         (f"local{h}", ["--mode", "local_sgd", "--sync-every", str(h)]) for h in (4, 16, 64)] + [
         ("local16n", ["--mode", "local_sgd", "--sync-every", "16", "--outer", "nesterov"])]

@@ -71,7 +71,8 @@ def test_stale_applies_every_gradient_exactly_once(tmp_path, backend, n):
     common = ["--linear", f"comm.backend={backend}", "train.momentum=0", "train.accumulation=2", "train.epochs=2"]
     sync, _ = launch(tmp_path, "sync", n, *common)
     stale, _ = launch(tmp_path, "stale", n, *common, "comm.mode=stale")
-    assert int(stale[0]["steps"]) == 12 and int(stale[0]["applied"]) == 12  # steps 2..12 apply steps 1..11, the end applies step 12
+    # steps 2..12 apply the averages of steps 1..11, the end applies step 12's
+    assert int(stale[0]["steps"]) == 12 and int(stale[0]["applied"]) == 12
     assert max_diff(sync[0], stale[0]) < 1e-5
     # one gradient lost or applied twice would move the parameters by lr x |g|, far more
     short, _ = launch(tmp_path, "short", n, *common, "train.max_steps=11")
@@ -109,7 +110,8 @@ def per_rank_errors(output, n):
 
 @pytest.mark.parametrize("overrides, text", [
     (["comm.mode=local_sgd", "comm.sync_every=0"], "comm.sync_every = 0 must be >= 1"),
-    (["comm.outer_optimizer=nesterov"], 'comm.outer_optimizer = \'nesterov\' is only used with comm.mode = "local_sgd"'),
+    (["comm.outer_optimizer=nesterov"],
+     'comm.outer_optimizer = \'nesterov\' is only used with comm.mode = "local_sgd"'),
     (["comm.mode=local_sgd", "comm.sync_every=4", "checkpoint.every_steps=6"],
      "checkpoint.every_steps = 6 is not a multiple of comm.sync_every = 4"),
 ])
