@@ -128,3 +128,26 @@ def test_local_sgd_leaves_out_a_local_step_with_non_finite_gradients_on_this_ran
     # no collective to agree on it: the trainer sees nothing to apply, so its policy never runs
     assert mode.synchronize_gradients(opt, 1) is False and mode.local_skips == 1
     assert mode.may_save(1) is False  # not a synchronisation point
+
+
+def test_a_replica_that_differs_after_an_average_is_named_on_every_rank():
+    from hpctrain.replicas import model_fingerprints
+
+    model = torch.nn.Linear(2, 2)
+    mine = model_fingerprints(model)
+    other = [(s + 1, c) for s, c in mine]
+
+    class ThreeRanks:  # what allgather hands every rank: rank 2 differs
+        @staticmethod
+        def Get_size():
+            return 3
+
+        @staticmethod
+        def allgather(value):
+            return [mine, mine, other]
+
+    with pytest.raises(comm_modes.ReplicasDiverged, match=r"after the parameter average of step 8, ranks 2 hold "
+                                                          r"parameters that differ from rank 0's \(first differing: "
+                                                          r"weight\)") as err:
+        comm_modes.check_replicas(model, ThreeRanks, "the parameter average of step 8")
+    assert err.value.collective  # raised alike on every rank: no abort, no hang

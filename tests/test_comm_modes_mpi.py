@@ -48,9 +48,11 @@ def test_local_sgd_averaging_every_step_equals_sync(tmp_path, backend):
     assert int(local[0]["syncs"]) == 12
 
 
-@pytest.mark.parametrize("backend, compression", [("horovod", "fp16"), ("mpi", "none")])
-def test_local_sgd_replicas_are_bitwise_equal_after_every_average_and_only_then(tmp_path, backend, compression):
-    ranks, output = launch(tmp_path, "run", 4, f"comm.backend={backend}", f"comm.compression={compression}",
+@pytest.mark.parametrize("backend, compression, model", [("horovod", "fp16", "--batchnorm"), ("mpi", "none", "--mlp")])
+def test_local_sgd_replicas_are_bitwise_equal_after_every_average_and_only_then(tmp_path, backend, compression, model):
+    # --batchnorm: its running statistics (buffers) are in the fingerprints and must be averaged too
+    ranks, output = launch(tmp_path, "run", 4, *([model] if model != "--mlp" else []),
+                           f"comm.backend={backend}", f"comm.compression={compression}",
                            "comm.mode=local_sgd", "comm.sync_every=4", "comm.sync_warmup=2",
                            "comm.outer_optimizer=nesterov", "comm.outer_lr=0.7", "comm.outer_momentum=0.5",
                            "train.momentum=0.9")
@@ -64,6 +66,7 @@ def test_local_sgd_replicas_are_bitwise_equal_after_every_average_and_only_then(
     assert "comm.mode local_sgd: parameters averaged every 4 steps after 2 synchronous steps" in output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, n", [("horovod", 4), ("mpi", 2)])
 def test_stale_applies_every_gradient_exactly_once(tmp_path, backend, n):
     # --linear: the gradients do not depend on the parameters, so plain SGD ends at the initial
@@ -80,11 +83,13 @@ def test_stale_applies_every_gradient_exactly_once(tmp_path, backend, n):
     assert all(bitwise_equal(stale[0], r) for r in stale[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [
+    ["train.momentum=0.9", "comm.backend=mpi"],
     ["comm.mode=local_sgd", "comm.sync_every=4", "comm.outer_optimizer=nesterov", "comm.outer_lr=0.7",
      "comm.outer_momentum=0.5", "train.momentum=0.9", "comm.backend=horovod"],
     ["comm.mode=stale", "train.momentum=0.9", "comm.backend=mpi", "comm.compression=fp16"],
-], ids=["local_sgd-nesterov-horovod", "stale-mpi-fp16"])
+], ids=["sync-mpi", "local_sgd-nesterov-horovod", "stale-mpi-fp16"])
 def test_interrupted_and_resumed_equals_uninterrupted_bitwise(tmp_path, mode):
     pytest.importorskip("hpctrain.checkpoint")
     common = [*mode, "checkpoint.every_steps=4"]

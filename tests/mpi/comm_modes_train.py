@@ -1,14 +1,16 @@
 """Train with a ``comm.mode`` and record what every rank held after every step.
 
-    mpirun -n 4 python tests/mpi/comm_modes_train.py OUT_DIR [--linear] [--stop-at STEP] [--checkpoints]
-        [section.key=value ...]
+    mpirun -n 4 python tests/mpi/comm_modes_train.py OUT_DIR [--linear | --batchnorm] [--stop-at STEP]
+        [--checkpoints] [section.key=value ...]
 
 Writes OUT_DIR/rank<R>.npz: the final parameters (p0, p1, ...), ``prints`` (one CRC of all
-parameter bytes per step), ``steps``, and the mode's counters (``applied``: averages the stale
-mode applied, ``syncs``: local_sgd averages, ``sent_bytes``). ``--linear``: a linear model whose
+bytes of ``state_dict()``, parameters and buffers, per step), ``steps``, and the mode's counters
+(``applied``: averages the stale mode applied, ``syncs``: local_sgd averages, ``sent_bytes``).
+``--linear``: a linear model whose
 loss is the mean of its outputs, so every gradient is fixed by the data alone, not the
 parameters: with plain SGD the final parameters are the initial ones minus lr x the sum of
-the applied gradients, whichever step each was applied at.
+the applied gradients, whichever step each was applied at. ``--batchnorm``: an MLP with a
+batch-norm layer, whose running statistics are buffers that local SGD must average too.
 """
 import os
 import sys
@@ -26,8 +28,8 @@ class Record:
 
     def on_step(self, state, metrics, phase_times):
         crc = 0
-        for p in state.model.parameters():
-            crc = zlib.crc32(p.detach().cpu().numpy().tobytes(), crc)
+        for t in state.model.state_dict().values():
+            crc = zlib.crc32(t.detach().cpu().numpy().tobytes(), crc)
         self.prints.append(crc)
 
 
@@ -39,7 +41,7 @@ def main(argv):
     import torch
 
     out, argv = argv[0], argv[1:]
-    stop_at, checkpoints, linear = None, None, False
+    stop_at, checkpoints, linear, batchnorm = None, None, False, False
     while argv and argv[0].startswith("--"):
         flag, argv = argv[0], argv[1:]
         if flag == "--stop-at":
@@ -48,6 +50,8 @@ def main(argv):
             checkpoints = "auto"
         elif flag == "--linear":
             linear = True
+        elif flag == "--batchnorm":
+            batchnorm = True
         else:
             raise SystemExit(f"unknown option {flag}")
     cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
@@ -57,6 +61,10 @@ def main(argv):
     if linear:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
+    elif batchnorm:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
     record = Record()
     trainer = Trainer(cfg, model=model, train_data=synthetic(512, 1), val_data=synthetic(128, 2),
                       checkpoints=checkpoints, callbacks=[record], loss_fn=mean_output if linear else None)
