@@ -466,9 +466,9 @@ def _check_comm_mode(cfg, choice):
                           hint='use train.precision = "bf16" (no scaler), or comm.mode=sync')
     if c.mode != "local_sgd":
         return
-    # Evaluations, step-interval checkpoints and the monitor's replica check see one model only
-    # at synchronisation points (every sync_every steps).
-    for key, value in (("train.eval_every", t.eval_every), ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+    # Step-interval checkpoints and the monitor's replica check see one model only at
+    # synchronisation points (every sync_every steps). (An evaluation between them averages first.)
+    for key, value in (("checkpoint.every_steps", cfg.checkpoint.every_steps),
                        ("monitor.consistency_every", cfg.monitor.consistency_every)):
         if value and value % c.sync_every:
             lower = max(c.sync_every, value // c.sync_every * c.sync_every)

@@ -31,8 +31,8 @@ def test_defaults_are_sync_and_valid():
      "comm.outer_momentum = 1.0 must be in [0, 1)", "0.9"),
     (["comm.mode=local_sgd", "comm.outer_optimizer=nesterov", "comm.outer_lr=0"], "comm.outer_lr = 0.0 must be > 0",
      "outer_lr=0.7"),
-    (["comm.mode=local_sgd", "comm.sync_every=8", "train.eval_every=12"],
-     "train.eval_every = 12 is not a multiple of comm.sync_every = 8", "train.eval_every=8"),
+    (["comm.mode=local_sgd", "comm.sync_every=8", "checkpoint.every_steps=12"],
+     "checkpoint.every_steps = 12 is not a multiple of comm.sync_every = 8", "checkpoint.every_steps=8"),
     (["comm.mode=local_sgd", "comm.sync_every=8", "monitor.consistency_every=4"],
      "monitor.consistency_every = 4 is not a multiple", "monitor.consistency_every=8"),
 ])

@@ -284,6 +284,7 @@ class Trainer:
 
         fresh = None  # metrics go to the checkpoints only on the step that measured them
         if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
+            run.state.comm.sync_now(progress.step)  # local_sgd: score one model
             fresh = self._evaluate(run)
         with timer.phase("checkpoint"):
             self._save(run, metrics=fresh)
