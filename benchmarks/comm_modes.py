@@ -222,7 +222,7 @@ def table(directory):
             cells = [data, _label(r), r["slow"] if r["slow"] == "none" else f"{r['slow']} {r['slow_ms']:g} ms",
                      f"{r['step_time_mean_s']:.4f}" if r["step_time_mean_s"] else "-",
                      f"{r['bytes_per_step'] / 2 ** 20:.3f}", f"{r['final_val_loss']:.4f}",
-                     str(_reach(r["curve"], target, 0)) if target else "-",
+                     str(_reach(r["curve"], target, 0) or "-") if target else "-",
                      f"{_reach(r['curve'], target, 1):.1f}" if target and _reach(r["curve"], target, 1) else "-",
                      f"{r['wall_s']:.1f}", f"{ratio:.2f}" if ratio else "-",
                      ",".join(map(str, r.get("slow_ranks_named") or [])) or "-"]
