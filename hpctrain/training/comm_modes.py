@@ -136,6 +136,14 @@ class Sync:
         return "comm.mode sync"
 
     # ---- shared by the modes that average themselves
+    def _plain_step(self, optimizer, scaler=None):
+        # Not the backend's step: the plain optimizer has no Horovod skip_synchronize.
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+
     def _grads(self):
         return [p for p in self._params if p.requires_grad]
 
@@ -170,17 +178,18 @@ class LocalSGD(Sync):
         self._buffers = _floating([b for b in model.buffers()])
         self._model_tensors = self._params + self._buffers
         self._anchor = None  # the parameters and buffers at the last synchronisation point
-        self._anchor_fresh = False
         self._momentum = ([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self._params]
                           if self.nesterov else [])
         self._synced = True  # the replicas are one model now
-        self._synced_at = 0  # the last step that ended synchronised
         self.syncs = 0
         self.local_skips = 0  # local steps whose non-finite gradients this rank did not apply
 
     def wrap_optimizer(self, optimizer, model, accumulation):
         # The plain optimizer: no hooks that average every step (Horovod's would).
         return optimizer
+
+    def step(self, optimizer, scaler=None):
+        self._plain_step(optimizer, scaler)
 
     def start(self, state):
         import torch
@@ -190,7 +199,7 @@ class LocalSGD(Sync):
             self._anchor = [torch.empty_like(t, memory_format=torch.contiguous_format)
                             for t in self._model_tensors]
         self._refresh_anchor()
-        self._synced, self._synced_at = True, state.progress.step
+        self._synced = True
 
     def _refresh_anchor(self):
         import torch
@@ -198,23 +207,11 @@ class LocalSGD(Sync):
         with torch.no_grad():
             for a, t in zip(self._anchor, self._model_tensors):
                 a.copy_(t)
-        self._anchor_fresh = True
 
     def synchronize_gradients(self, optimizer, step):
-        import torch
-
-        if step <= self.warmup:  # warm-up: averaged gradients, one fused collective
-            params = self._grads()
-            flat = self._grads_to(torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
-                                              device=params[0].device), params)
-            self._count(flat)
-            self.backend.average(flat)
-            for p, chunk in zip(params, _views(flat, params)):
-                p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
-            self._anchor_fresh = False
+        if step <= self.warmup:
+            self._average_gradients_and_buffers()
         else:
-            if not self._anchor_fresh:
-                self._refresh_anchor()  # the last synchronised model, before the first local update
             if not nonfinite.grads_finite(optimizer):
                 # Local gradients: the other ranks may not agree, and the trainer's skip, rollback
                 # or stop must be the same on every rank. This rank's update is left out alone.
@@ -226,22 +223,51 @@ class LocalSGD(Sync):
         self._synced = step <= self.warmup
         return True
 
-    def step(self, optimizer, scaler=None):
-        # The base class's step: the plain optimizer has no Horovod skip_synchronize.
-        if scaler is None:
-            optimizer.step()
+    def _average_gradients_and_buffers(self):
+        """A warm-up step, as ``sync``: the averaged gradients, and the floating buffers averaged
+        too (batch-norm statistics are computed from each rank's own batch), so that the anchor
+        of the first local period is the same on every rank."""
+        import torch
+
+        params = self._grads()
+        n_grads = sum(p.numel() for p in params)
+        n_buffers = sum(b.numel() for b in self._buffers)
+        with torch.no_grad():
+            flat = torch.empty(n_grads + n_buffers, dtype=torch.float32, device=params[0].device)
+            self._grads_to(flat[:n_grads], params)
+            for b, chunk in zip(self._buffers, _views(flat[n_grads:], self._buffers)):
+                chunk.copy_(b)
+            self._average_split(flat, n_grads)
+            for p, chunk in zip(params, _views(flat, params)):
+                p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
+            for b, chunk in zip(self._buffers, _views(flat[n_grads:], self._buffers)):
+                b.copy_(chunk)
+
+    def _average_split(self, flat, n_compressible):
+        """Average ``flat`` in one collective; with fp16 compression, its first ``n_compressible``
+        elements in fp16 and the rest in fp32 apart (values that fp16 would not hold)."""
+        if self.backend.compression == "fp16" and n_compressible < flat.numel():
+            head, tail = flat[:n_compressible], flat[n_compressible:]
+            self._count(head)
+            handle = self.backend.start_average(head)
+            self.sent_bytes += tail.numel() * tail.element_size()
+            self.backend.average(tail, compress=False)
+            self.backend.wait_average(handle)
         else:
-            scaler.step(optimizer)
-            scaler.update()
+            self._count(flat)
+            self.backend.average(flat)
 
     def after_step(self, step):
         """End of step ``step`` (counted from 1): average if it is a synchronisation point."""
         if step <= self.warmup:
-            self._synced, self._synced_at = True, step
+            self._synced = True
+            if step == self.warmup:
+                # The anchor of the first local period: taken here, not at the next step, whose
+                # forward pass already changes each rank's batch-norm statistics its own way.
+                self._refresh_anchor()
             return True
         if step % self.every == 0:
             self._average(f"the parameter average of step {step}")
-            self._synced_at = step
             return True
         return False
 
@@ -249,7 +275,6 @@ class LocalSGD(Sync):
         """Average now unless this step already ended synchronised (epoch end, stop, end)."""
         if not self._synced:
             self._average(f"the forced parameter average of step {step}")
-            self._synced_at = step
 
     def may_save(self, step, requested=False, final=False, epoch_end=False, **_):
         if requested or final or epoch_end:
@@ -281,22 +306,13 @@ class LocalSGD(Sync):
         with torch.no_grad():
             flat = torch.empty(n_model + n_opt, dtype=torch.float32, device=device)
             for a, t, chunk in zip(self._anchor, model_part, _views(flat, model_part)):
-                torch.sub(a, t, out=chunk) if a.dtype == torch.float32 else chunk.copy_(a - t)
+                chunk.copy_(a - t)
             opt_flat = flat[n_model:]
             for t, chunk in zip(opt_part, _views(opt_flat, opt_part)):
                 chunk.copy_(t)
-            if self.backend.compression == "fp16" and n_opt:
-                # The change is small and travels well in fp16; optimizer state (Adam's squared
-                # moments) would underflow, so it goes in fp32 apart.
-                model_flat = flat[:n_model]
-                self._count(model_flat)
-                handle = self.backend.start_average(model_flat)
-                self.sent_bytes += opt_flat.numel() * 4
-                self.backend.average(opt_flat, compress=False)
-                self.backend.wait_average(handle)
-            else:
-                self._count(flat)
-                self.backend.average(flat)
+            # The change is small and travels well in fp16; optimizer state (Adam's squared
+            # moments) would underflow, so with compression it goes in fp32 apart.
+            self._average_split(flat, n_model)
             deltas = list(_views(flat, model_part))
             for i, (a, t, d) in enumerate(zip(self._anchor, model_part, deltas)):
                 d = d.to(a.dtype) if d.dtype != a.dtype else d
@@ -310,7 +326,6 @@ class LocalSGD(Sync):
                 t.copy_(a)
             for t, chunk in zip(opt_part, _views(opt_flat, opt_part)):
                 t.copy_(chunk)
-        self._anchor_fresh = True
         self._synced = True
         self.syncs += 1
         if self.check:
@@ -407,7 +422,7 @@ class Stale(Sync):
         self.applied += 1
 
     def step(self, optimizer, scaler=None):
-        LocalSGD.step(self, optimizer, scaler)
+        self._plain_step(optimizer, scaler)
 
     def end(self, step, stopped):
         """The end of training applies the pending average; a stop keeps it (it was saved)."""
