@@ -238,7 +238,7 @@ def ckpt_section(docs, verdicts):
 
 
 def extra_section(docs):
-    known = ("allreduce-", "train_step-", "ckpt_io-")
+    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-")  # comm_modes: its own section
     other = {k: v for k, v in docs.items() if not k.startswith(known)}
     lines = []
     for name, doc in other.items():
@@ -270,6 +270,9 @@ def render(out):
     lines += ckpt_section(docs, verdicts)
     lines += scaling_section(docs)
     lines += extra_section(docs)
+    from comm_modes import section as comm_modes_section
+
+    lines += comm_modes_section(out)
     if verdicts:
         unquiet = {e["name"]: e["why_not"] for e in (launches or {}).get("launches", [])
                    if not e.get("publishable", True)}

@@ -77,6 +77,36 @@ def plan(quick, out):
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
             else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
+    launches += comm_modes_plan(quick, out, j)
+    return launches
+
+
+def comm_modes_plan(quick, out, j):
+    """comm.mode against sync in one series per data set (benchmarks/comm_modes.py): time and bytes
+    per step, val loss against wall time and steps, sync_every 4/16/64, and a slowed rank."""
+    launches = []
+    data_dir = ["--data-dir", os.path.join(out, "comm_modes-data")]
+    size = {"digits": [], "teacher": (["--hidden", "64", "--depth", "2", "--samples", "4096"] if quick
+                                      else ["--hidden", "512", "--depth", "4", "--samples", "32768"])}
+    steps = (["--steps", "64", "--eval-every", "64", "--batch", "16"] if quick
+             else ["--steps", "1024", "--eval-every", "64"])
+    modes = [("sync", []), ("stale", ["--mode", "stale"])] + [
+        (f"local{h}", ["--mode", "local_sgd", "--sync-every", str(h)]) for h in (4, 16, 64)] + [
+        ("local16n", ["--mode", "local_sgd", "--sync-every", "16", "--outer", "nesterov"])]
+    for data in ("digits", "teacher"):
+        for label, mode in modes:
+            if quick and data == "teacher" and label not in ("sync", "local16"):
+                continue
+            name = f"comm_modes-{data}-{label}"
+            launches.append((name, 2, ["comm_modes.py", "--data", data, *mode, *size[data], *steps, *data_dir]
+                             + j(name), 240 if quick else 900))
+    for slow in ("one", "jitter"):  # what a slowed rank costs sync and local SGD
+        for label, mode in modes:
+            if label in ("sync", "local16"):
+                name = f"comm_modes-teacher-{label}-slow-{slow}"
+                launches.append((name, 2, ["comm_modes.py", "--data", "teacher", *mode, *size["teacher"], *steps,
+                                           "--slow", slow, "--slow-ms", "5" if quick else "20", *data_dir]
+                                 + j(name), 240 if quick else 900))
     return launches
 
 
@@ -98,7 +128,7 @@ def run(name, n, args, timeout, out, log):
     cond["settle_s"] = waited
     quiet, why = conditions.judge(cond)
     for line in stdout.splitlines():
-        if line.startswith(("allreduce", "train_step", "ckpt_io")):
+        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes")):
             print(f"  {line}", flush=True)
     entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
              "conditions": cond, "publishable": quiet, "why_not": why}

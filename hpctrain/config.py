@@ -152,6 +152,16 @@ class CommConfig:
     backend: str = "horovod"  # or "mpi"; HPCTRAIN_BACKEND overrides the file
     compression: str = "none"  # or "fp16"
     gradient_predivide_factor: float = 1.0  # divide before the sum, the rest after (fp16 range)
+    # When ranks exchange what (docs/asynchronous.md): "sync" (every step), "local_sgd" (each rank
+    # steps alone; parameters averaged every sync_every steps), "stale" (gradients averaged while
+    # the next step computes, applied one step late).
+    mode: str = "sync"
+    sync_every: int = 1  # local_sgd: steps between parameter averages
+    sync_warmup: int = 0  # local_sgd: first steps trained fully synchronous
+    outer_optimizer: str = "none"  # local_sgd: "none" (plain average) or "nesterov" on the averaged change
+    outer_lr: float = 1.0  # local_sgd with nesterov
+    outer_momentum: float = 0.0  # local_sgd with nesterov, e.g. 0.9
+    check_replicas: bool = True  # local_sgd: compare the replicas' fingerprints after every average
 
 
 @dataclass
@@ -505,6 +515,54 @@ def _check_auto_interval(k):
                           f"time, not a percentage)", hint="e.g. checkpoint.max_overhead=0.02 for 2%")
 
 
+def _check_comm_mode(cfg, choice):
+    """``comm.mode`` and the keys that only it uses (:mod:`hpctrain.training.comm_modes`)."""
+    from .training.comm_modes import MODES, OUTER_OPTIMIZERS
+
+    c = cfg.comm
+    choice("comm.mode", c.mode, MODES)
+    choice("comm.outer_optimizer", c.outer_optimizer, OUTER_OPTIMIZERS)
+    if c.sync_every < 1:
+        raise ConfigError(f"comm.sync_every = {c.sync_every!r} must be >= 1 (steps between parameter averages)",
+                          hint="e.g. comm.sync_every=16; 1 averages after every step")
+    if c.sync_warmup < 0:
+        raise ConfigError(f"comm.sync_warmup = {c.sync_warmup!r} must be >= 0",
+                          hint="e.g. comm.sync_warmup=100 (fully synchronous steps first), or 0")
+    if c.mode != "local_sgd":
+        for name, default in (("sync_every", 1), ("sync_warmup", 0), ("outer_optimizer", "none")):
+            if getattr(c, name) != default:
+                raise ConfigError(f"comm.{name} = {getattr(c, name)!r} is only used with comm.mode = \"local_sgd\", "
+                                  f"but comm.mode = {c.mode!r}",
+                                  hint=f"set comm.mode=local_sgd, or remove comm.{name}")
+    if c.outer_optimizer == "none" and (c.outer_lr != 1.0 or c.outer_momentum != 0.0):
+        raise ConfigError("comm.outer_lr or comm.outer_momentum is set, but comm.outer_optimizer = \"none\" "
+                          "(the averaged parameters are taken as they are)",
+                          hint="set comm.outer_optimizer=nesterov (with comm.mode=local_sgd), or remove them")
+    if c.outer_lr <= 0:
+        raise ConfigError(f"comm.outer_lr = {c.outer_lr!r} must be > 0", hint="e.g. comm.outer_lr=0.7")
+    if not 0 <= c.outer_momentum < 1:
+        raise ConfigError(f"comm.outer_momentum = {c.outer_momentum!r} must be in [0, 1)",
+                          hint="e.g. comm.outer_momentum=0.9")
+    if c.mode == "sync":
+        return
+    t = cfg.train
+    if t.precision == "fp16":
+        raise ConfigError(f"comm.mode = {c.mode!r} does not support train.precision = \"fp16\": its GradScaler "
+                          f"decides per rank which steps to skip, and the ranks' scales would drift apart",
+                          hint='use train.precision = "bf16" (no scaler), or comm.mode=sync')
+    if c.mode != "local_sgd":
+        return
+    # Step-interval checkpoints and the monitor's replica check see one model only at
+    # synchronisation points (every sync_every steps). (An evaluation between them averages first.)
+    for key, value in (("checkpoint.every_steps", cfg.checkpoint.every_steps),
+                       ("monitor.consistency_every", cfg.monitor.consistency_every)):
+        if value and value % c.sync_every:
+            lower = max(c.sync_every, value // c.sync_every * c.sync_every)
+            raise ConfigError(f"{key} = {value} is not a multiple of comm.sync_every = {c.sync_every}: with "
+                              f"comm.mode = \"local_sgd\" the ranks hold one model only every {c.sync_every} steps",
+                              hint=f"set {key}={lower} (or another multiple of comm.sync_every)")
+
+
 def validate(cfg, world_size=1, cuda=False, need_data=True):
     """Check values that no single field's type can; return a resolved copy.
 
@@ -579,6 +637,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
     if m.slow_rank_factor <= 1:
         raise ConfigError(f"monitor.slow_rank_factor = {m.slow_rank_factor} must be > 1 (a ratio to the median rank)",
                           hint="e.g. monitor.slow_rank_factor = 1.3")
+    _check_comm_mode(cfg, choice)
     k = cfg.checkpoint
     choice("checkpoint.best_mode", k.best_mode, ("min", "max"))
     for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",

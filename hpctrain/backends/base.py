@@ -85,3 +85,19 @@ class Backend:
     def describe(self):
         return (f"{self.name} backend, compression {self.compression}, "
                 f"gradient_predivide_factor {self.gradient_predivide_factor:g}")
+
+    # ---- averaging of flat buffers (comm.mode local_sgd and stale, hpctrain.training.comm_modes)
+    def start_average(self, flat, compress=True, name=None):
+        """Start averaging the 1-D tensor ``flat`` over all ranks, in place, without waiting;
+        returns a handle for :meth:`wait_average`. ``compress``: send it as the backend's
+        ``compression`` says (fp16 on the wire); False: as it is. ``name``: unique among the
+        averages in flight (Horovod matches them by name)."""
+        raise NotImplementedError
+
+    def wait_average(self, handle):
+        """Wait until the average started by :meth:`start_average` is in its tensor; returns it."""
+        raise NotImplementedError
+
+    def average(self, flat, compress=True):
+        """Average ``flat`` over all ranks in place (one collective); returns it."""
+        return self.wait_average(self.start_average(flat, compress))

@@ -108,3 +108,21 @@ class HorovodBackend(Backend):
         # Horovod shuts down at exit; shutting down here would break a second Trainer in
         # the same process.
         pass
+
+    # ---- averaging of flat buffers (comm.mode local_sgd and stale)
+    def start_average(self, flat, compress=True, name=None):
+        import torch
+
+        hvd = self.hvd
+        cast = compress and self.compression == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
+        wire = flat.to(torch.float16) if cast else flat
+        # Averaged by Horovod's background thread: it travels while this rank computes.
+        handle = hvd.allreduce_async_(wire, op=hvd.Average, name=name)
+        return handle, wire, flat
+
+    def wait_average(self, handle):
+        handle, wire, flat = handle
+        self.hvd.synchronize(handle)
+        if wire is not flat:
+            flat.copy_(wire)
+        return flat

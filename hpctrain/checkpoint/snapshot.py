@@ -95,6 +95,22 @@ def optimizer_state_path(pname, key):
     return f"{fmt.OPT_STATE}/{fmt.param_key(pname)}/{key}"
 
 
+COMM = "comm"  # the communication mode's tensors (comm.mode, hpctrain.training.comm_modes)
+
+
+def comm_path(name):
+    """Dataset path of the communication mode's tensor ``name``, ``<kind>/<parameter name>``
+    (``outer_momentum/fc.weight`` -> ``comm/outer_momentum/fc.weight``)."""
+    kind, _, pname = name.partition("/")
+    return f"{COMM}/{kind}/{fmt.param_key(pname)}"
+
+
+def comm_name(path):
+    """The inverse of :func:`comm_path`."""
+    kind, _, key = path[len(COMM) + 1:].partition("/")
+    return f"{kind}/{fmt.param_name(key)}"
+
+
 def optimizer_param_names(model, optimizer):
     """Names of the optimizer's parameters, in the order of its ``state_dict()`` indices."""
     by_id = {id(p): name for name, p in model.named_parameters()}
@@ -267,6 +283,9 @@ def take_snapshot(state, root_info, copy, buffers=None):
     params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}
     entries = [entry(model_path(name), t, name in params) for name, t in state.model.state_dict().items()]
     entries += [entry(optimizer_state_path(pname, key), t, True) for pname, key, t in opt_tensors]
+    comm = getattr(state, "comm", None)
+    if comm is not None:  # collective: the stale mode waits here for an average in flight
+        entries += [entry(comm_path(name), t, True) for name, t in comm.checkpoint_tensors().items()]
     entries += rng_entries(root_info["rng"])
     groups = optimizer_attrs(description)
     groups.update(progress_attrs(state.progress, root_info["rng"], getattr(state, "scaler", None)))
@@ -323,6 +342,9 @@ def restore(state, arrays, attrs, path, partial=False):
     p.extra = json.loads(t["extra"])
     if "scaler" in t and getattr(state, "scaler", None) is not None:
         state.scaler.load_state_dict(json.loads(t["scaler"]))
+    if getattr(state, "comm", None) is not None:
+        state.comm.restore_tensors({comm_name(p): array_to_tensor(*v)
+                                    for p, v in arrays.items() if p.startswith(COMM + "/")})
 
 
 def _optimizer_state(state, arrays, attrs, path, partial):

@@ -37,7 +37,7 @@ from ..job.watchdog import Watchdog, watching
 from ..monitoring.monitor import Monitor, build_callbacks
 from ..monitoring.timing import PhaseTimer
 from ..state import Progress, TrainState
-from . import nonfinite
+from . import comm_modes, nonfinite
 from .nonfinite import NonFiniteError
 
 
@@ -182,9 +182,10 @@ class Trainer:
         model = self.model if self.model is not None else all_or_none(lambda: build_model(cfg.model), comm)
         model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
-        optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
+        mode = comm_modes.build(cfg.comm, backend, model)  # comm.mode: sync, local_sgd, stale
+        optimizer = mode.wrap_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
-        state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler)
+        state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler, comm=mode)
 
         checkpoints = self.checkpoints
         if checkpoints == "auto":
@@ -193,6 +194,7 @@ class Trainer:
             if checkpoints is not None and checkpoints.resume(state):
                 sampler.seed = state.progress.seed  # the data order of the run being resumed
             backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
+            mode.start(state)
 
         total_steps = sampler.steps_per_epoch * t.epochs
         if t.max_steps:
@@ -206,7 +208,7 @@ class Trainer:
                 callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
                                             samples_per_step=sampler.global_batch) + callbacks
         params, tensors = count_parameters(model)
-        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model {params:,} "
+        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}, {mode.describe()}; model {params:,} "
                   f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
                   f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
@@ -234,6 +236,7 @@ class Trainer:
 
     def _end_epoch(self, run):
         progress = run.state.progress
+        run.state.comm.sync_now(progress.step)  # local_sgd: evaluate and save one model
         progress.epoch += 1
         progress.samples_in_epoch = 0
         if run.val is not None:
@@ -244,6 +247,8 @@ class Trainer:
         """The mean last loss over ranks; unless stopped, a last evaluation and the final save."""
         with watching("final loss average"):
             train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
+        with watching("the last average of comm.mode"):
+            run.state.comm.end(run.state.progress.step, stopped)  # one model; stale: nothing left unapplied
         if not stopped:
             if run.val is not None and run.evaluated_at != run.state.progress.step:  # ended mid-epoch
                 self._evaluate(run)
@@ -282,6 +287,7 @@ class Trainer:
 
         fresh = None  # metrics go to the checkpoints only on the step that measured them
         if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
+            run.state.comm.sync_now(progress.step)  # local_sgd: score one model
             fresh = self._evaluate(run)
         with timer.phase("checkpoint"):
             self._save(run, metrics=fresh)
@@ -308,17 +314,22 @@ class Trainer:
                 scaled = loss / len(micro_batches)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += float(loss.detach())
+        step = state.progress.step + 1
         with timer.phase("allreduce_wait"):
-            backend.synchronize(optimizer)
+            apply = state.comm.synchronize_gradients(optimizer, step)  # stale: False at its first step
         with timer.phase("optimizer"):
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
             bad = None  # the first parameter whose gradient is not finite
-            if scaler is None and not nonfinite.grads_finite(optimizer):
+            if not apply:
+                pass
+            elif scaler is None and not nonfinite.grads_finite(optimizer):
                 bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
             else:
-                backend.step(optimizer, scaler)
+                state.comm.step(optimizer, scaler)
             optimizer.zero_grad()
+        with timer.phase("allreduce_wait"):
+            state.comm.after_step(step)  # local_sgd: the parameter average at its synchronisation points
         return total / len(micro_batches), bad
 
     def _nonfinite(self, run, tensor):
@@ -369,6 +380,8 @@ class Trainer:
         """Save if ``when`` calls for it (collective); tell the callbacks what was saved."""
         if run.checkpoints is None:
             return None
+        if not run.state.comm.may_save(run.state.progress.step, **when):
+            return None  # local_sgd between synchronisation points: a due save waits for the next one
         started = time.perf_counter()
         why = "".join(f" ({k.replace('_', ' ')})" for k in ("epoch_end", "final", "requested") if when.get(k))
         with watching(f"checkpoint save at step {run.state.progress.step}{why}"):
