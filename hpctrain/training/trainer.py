@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..config import TrainConfig, load_config, validate
+from ..config import TrainConfig, is_split, load_config, validate
 from ..coordination import all_or_none, any_rank, everywhere, on_root
 from ..errors import ConfigError
 from ..job import rundir, runlock
@@ -79,6 +79,7 @@ class Run:
     skips: int = 0  # consecutive steps whose non-finite gradients were not applied
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
     evaluated_at: Optional[int] = None  # the step of the last evaluation
+    split: Any = None  # a parallel.strategy.SplitModel when [parallel] splits the model, else None
 
 
 class Trainer:
@@ -163,8 +164,14 @@ class Trainer:
         # A step, or any other collective phase (watching(...)), that outlives step_timeout (a
         # rank stuck in a collective) ends the whole job. Made first: the set-up below already waits.
         watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=comm, where=world.where()))
-        backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
-                              cfg.comm.gradient_predivide_factor)
+        split = None
+        if is_split(cfg):  # pipeline/tensor parallel: the grid and the replicas' backend
+            from ..parallel.strategy import SplitModel
+
+            with watching("building the process grid"):
+                split = SplitModel(cfg, world)
+        backend = split.backend if split is not None else get_backend(
+            cfg.comm.backend, world, cfg.comm.compression, cfg.comm.gradient_predivide_factor)
         with watching("creating the run directory"):
             run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
         if world.is_root:
@@ -172,12 +179,19 @@ class Trainer:
 
         with watching("opening the data set"):
             train, val = self._datasets(cfg, world)
-            sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
+            # Split runs: each replica (not each rank) reads train.batch_size samples per step.
+            sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size,
+                                   split.replicas if split is not None else world.size, t.accumulation)
             all_or_none(lambda: _check_enough_data(sampler), comm)
 
         torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
-        model = self.model if self.model is not None else build_model(cfg.model)
-        model.to(world.device)
+        loss_fn = self.loss_fn or torch.nn.CrossEntropyLoss()
+        if split is not None:
+            with watching("building this rank's pipeline stage"):
+                model = split.build(self.model, train, loss_fn)
+        else:
+            model = self.model if self.model is not None else build_model(cfg.model)
+            model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
         optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
@@ -185,7 +199,7 @@ class Trainer:
 
         checkpoints = self.checkpoints
         if checkpoints == "auto":
-            checkpoints = _default_checkpoints(cfg, world, run_dir)
+            checkpoints = _default_checkpoints(cfg, world, run_dir, split)
         with watching("resume from a checkpoint"):
             if checkpoints is not None and checkpoints.resume(state):
                 sampler.seed = state.progress.seed  # the data order of the run being resumed
@@ -203,21 +217,25 @@ class Trainer:
                 callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
                                             samples_per_step=sampler.global_batch) + callbacks
         params, tensors = count_parameters(model)
-        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; model {params:,} "
-                  f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
-                  f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
+        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; {'rank 0 stage' if split else 'model'} "
+                  f"{params:,} parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
+                  f"{sampler.ranks} {'replicas' if split else 'ranks'} x {t.accumulation}; "
+                  f"{sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
         for note in getattr(cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
             self._log(note)
+        if split is not None:
+            self._log(f"split model: {split.describe()}")
         model.train()
         return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
                    PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
-                   self.loss_fn or torch.nn.CrossEntropyLoss(), base_lr)
+                   loss_fn, base_lr, split=split)
 
     def _train_epoch(self, run):
         """Train from where the run stands to the end of its epoch, or until it must stop."""
         t, progress = run.cfg.train, run.state.progress
-        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.world.rank):
+        data_rank = run.split.replica if run.split is not None else run.world.rank
+        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, data_rank):
             if t.max_steps and progress.step >= t.max_steps:
                 return MAX_STEPS
             if self._step(run, micro_batches) == ROLLED_BACK:
@@ -258,6 +276,8 @@ class Trainer:
             with watching("final wait for a background checkpoint save"):
                 run.checkpoints.close()
         run.backend.close()
+        if run.split is not None:
+            run.split.close()
 
     # ------------------------------------------------------------------ one step
     def _step(self, run, micro_batches):
@@ -295,6 +315,9 @@ class Trainer:
         _seed_step(state.progress.seed, state.progress.step, run.world.rank)
         total = 0.0
         for indices in micro_batches:
+            if run.split is not None:  # reads, forward and backward passes through the pipeline
+                total += run.split.forward_backward(run, indices)
+                continue
             with timer.phase("data"):
                 x, y = run.train.read(indices)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -311,7 +334,10 @@ class Trainer:
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
             bad = None  # the first parameter whose gradient is not finite
-            if scaler is None and not nonfinite.grads_finite(optimizer):
+            finite = scaler is not None or nonfinite.grads_finite(optimizer)
+            if run.split is not None:  # each rank holds a part of the model: one verdict for all
+                finite = run.split.all_finite(finite)
+            if not finite:
                 bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
             else:
                 backend.step(optimizer, scaler)
@@ -386,8 +412,10 @@ class Trainer:
         from ..data import eval_shard
 
         model, val, world, t = run.state.model, run.val, run.world, run.cfg.train
-        indices = eval_shard(len(val), world.rank, world.size)
         size = t.eval_batch_size or t.batch_size
+        if run.split is not None:
+            return self._evaluated(run, run.split.eval_sums(run, size))
+        indices = eval_shard(len(val), world.rank, world.size)
         sums = torch.zeros(3, dtype=torch.float64)  # loss x count, correct, count
         model.eval()
         with torch.no_grad():
@@ -401,6 +429,9 @@ class Trainer:
                     sums[1] += float((out.argmax(dim=1) == y).sum())
                 sums[2] += len(y)
         model.train()
+        return self._evaluated(run, sums)
+
+    def _evaluated(self, run, sums):
         # Sums, not per-rank means: ranks may hold different numbers of samples.
         loss_sum, correct, count = run.backend.allreduce_mean(sums).tolist()
         run.metrics = {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
@@ -469,10 +500,12 @@ def _check_enough_data(sampler):
             f"{sampler.num_samples} training samples", hint="lower train.batch_size or train.accumulation")
 
 
-def _default_checkpoints(cfg, world, run_dir):
+def _default_checkpoints(cfg, world, run_dir, split=None):
     from ..checkpoint import CheckpointManager
 
     directory = cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints")
+    if split is not None:  # the same manager, with the split model's plan of who writes what
+        return split.checkpoints(directory, cfg.to_dict())
     return CheckpointManager(directory, world, cfg.checkpoint, run_config=cfg.to_dict())
 
 
