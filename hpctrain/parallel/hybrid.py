@@ -192,7 +192,7 @@ class HybridParallel:
         loss = self.pipeline.train_step(self._share(inputs), self._share(targets))
         self.dp.synchronize()
         self.dp.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none; None is the default)
         return self.grid.dp_comm.allreduce(loss) / self.layout.replicas
 
     def forward(self, inputs):
