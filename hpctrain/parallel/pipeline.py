@@ -196,7 +196,10 @@ class Pipeline:
         start, stop = self.bounds[self.stage]
 
         def build():
-            stage = stack.sequential(start, stop) if stack is not None else nn.Sequential(OrderedDict(named[start:stop]))
+            if stack is not None:
+                stage = stack.sequential(start, stop)
+            else:
+                stage = nn.Sequential(OrderedDict(named[start:stop]))
             if grid.layout.tensor > 1:
                 from .tensor import tensor_parallelize
 

@@ -217,8 +217,9 @@ class Trainer:
                 callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
                                             samples_per_step=sampler.global_batch) + callbacks
         params, tensors = count_parameters(model)
-        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; {'rank 0 stage' if split else 'model'} "
-                  f"{params:,} parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
+        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}; "
+                  f"{'rank 0 stage' if split else 'model'} {params:,} parameters in {tensors} tensors; "
+                  f"global batch {sampler.global_batch} = {t.batch_size} x "
                   f"{sampler.ranks} {'replicas' if split else 'ranks'} x {t.accumulation}; "
                   f"{sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
