@@ -1,7 +1,7 @@
 """Split models from ``hpctrain train`` under a real ``mpirun -n 4``: pipeline, tensor and
 hybrid runs equal their Python-API twins (HybridParallel driven by hand), Horovod process
-sets equal MPI sub-communicators, a split run stops on request and resumes in another
-layout, each rank builds only its stage, and bad ``[parallel]`` settings fail alike on every
+sets equal MPI sub-communicators, a split run stops on request (and on SIGUSR1 to mpirun) and
+resumes in another layout, each rank builds only its stage, and bad ``[parallel]`` settings fail alike on every
 rank.
 
 Every run trains the built-in transformer (6 layers, width 16) on a tiny teacher corpus for
@@ -161,6 +161,36 @@ def test_split_run_stops_on_request_and_resumes_in_another_layout(config):
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     straight_dir, _ = cli(config, *LAYOUTS["2-stages-x-2-replicas"])
     assert max_diff(final_model(checkpoint(run_dir)), final_model(checkpoint(straight_dir))) < 1e-5
+
+
+def test_cli_split_run_stops_on_a_signal_with_a_checkpoint(config):
+    """The real path of a Slurm warning: SIGUSR1 to mpirun (forwarded to every rank)."""
+    import signal
+    import subprocess
+
+    from mpi_harness import PYTHON, mpi_env
+
+    run_dir = SCRATCH / "signalled"
+    cmd = ["mpirun", "-n", "4", "--timeout", str(TIMEOUT), PYTHON, "-m", "hpctrain", "train", str(config),
+           f"run.run_dir={run_dir}", "parallel.stages=2", "train.max_steps=400"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(),
+                            cwd=ROOT)
+    lines = []
+    try:
+        for line in proc.stdout:  # training has started once step lines appear
+            lines.append(line)
+            if line.startswith("step 2/"):
+                proc.send_signal(signal.SIGUSR1)
+                break
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + out
+    assert proc.returncode == 3, out[-5000:]
+    step = int(out.split("stop requested: saving at step ")[1].split()[0])
+    assert 2 <= step < 400
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"ckpt-{step:08d}.h5"
 
 
 def test_each_rank_builds_only_its_stage():
