@@ -193,6 +193,20 @@ def test_cli_split_run_stops_on_a_signal_with_a_checkpoint(config):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"ckpt-{step:08d}.h5"
 
 
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic-sets", "no-dynamic-sets"])
+def test_process_sets_when_horovod_is_already_running(dynamic):
+    env = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"} if dynamic else {"HOROVOD_DYNAMIC_PROCESS_SETS": "0"}
+    result = mpirun(4, [SCRIPTS / "parallel_cli_dynamic_sets.py"], timeout=TIMEOUT, env=env)
+    if dynamic:
+        result.check()
+        ranks_say(result, "DYNAMIC SETS OK", 4)
+    else:
+        assert result.returncode != 0
+        ranks_say(result, "ERROR BackendUnavailable", 4)
+        assert result.stderr.count("Horovod is already initialised in this process") == 1, result.stderr[-3000:]
+        assert "HOROVOD_DYNAMIC_PROCESS_SETS=1" in result.stderr
+
+
 def test_each_rank_builds_only_its_stage():
     result = mpirun(4, [SCRIPTS / "parallel_cli_memory.py"], timeout=TIMEOUT).check()
     ranks_say(result, "UNDER LIMIT", 4)

@@ -132,12 +132,14 @@ class HorovodProcessSetBackend(HorovodBackend):
         else:
             import os
 
-            if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
-                raise BackendUnavailable(
+            from ..coordination import everywhere
+
+            if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":  # the same on every rank
+                raise everywhere(BackendUnavailable(
                     "Horovod is already initialised in this process without the process sets that the "
                     "replicas of a split model average over",
                     hint="set HOROVOD_DYNAMIC_PROCESS_SETS=1 before starting the job, or use the mpi backend "
-                         "(comm.backend = \"mpi\") for split models")
+                         "(comm.backend = \"mpi\") for split models"))
             sets = [hvd.add_process_set(g) for g in groups]  # collective: every rank, same order
         mine = [s for s, g in zip(sets, groups) if world.rank in g]
         if len(mine) != 1:
