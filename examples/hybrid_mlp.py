@@ -1,13 +1,18 @@
 """Train a small attention + MLP model split as pipeline stages x data-parallel replicas
-(x tensor-parallel ranks), save a checkpoint, and resume from it in any other layout.
+(x tensor-parallel ranks) with the Python API (:class:`hpctrain.parallel.HybridParallel`),
+save a checkpoint, and resume from it in any other layout. ``hpctrain train`` does the same
+from a configuration file (``mpirun -n 4 hpctrain train examples/pipeline_mlp.toml``); this
+script shows the pieces for your own training loop.
 
 4 ranks as 2 stages x 2 replicas, 1F1B schedule, fp16 gradient compression:
 
     mpirun -n 4 .venv/bin/python examples/hybrid_mlp.py --stages 2 --compression fp16 --out runs/hybrid
 
-The same with the settings from a file (command-line flags win):
+The layout from an ``hpctrain train`` configuration's ``[parallel]`` and ``[comm]`` (flags win),
+or the replicas averaging over Horovod process sets instead of MPI sub-communicators:
 
     mpirun -n 4 .venv/bin/python examples/hybrid_mlp.py --config examples/pipeline_mlp.toml
+    mpirun -n 4 .venv/bin/python examples/hybrid_mlp.py --stages 2 --backend horovod --compression fp16
 
 Resume that checkpoint as 4 stages x 1 replica, or as pure data parallelism (1 x 4), or
 with the MLP and attention split over 2 tensor ranks:
@@ -30,7 +35,7 @@ from hpctrain.parallel import HybridParallel, Layout, MLPBlock, SelfAttention
 from hpctrain.state import Progress
 
 DEFAULTS = dict(stages=2, replicas=None, tensor=1, schedule="1f1b", micro_batches=4, balance="params",
-                compression="none", steps=40, batch_size=64, lr=0.05, width=32, heads=4, seq=8,
+                compression="none", backend="mpi", steps=40, batch_size=64, lr=0.05, width=32, heads=4, seq=8,
                 out="runs/hybrid", resume=None)
 
 
@@ -51,22 +56,19 @@ def teacher_batch(step, n, seq):
 
 def settings():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="TOML file with a [parallel] and a [train] table")
+    ap.add_argument("--config", help="an hpctrain train configuration: its [parallel] and [comm] sections")
     for key, value in DEFAULTS.items():
         kind = type(value) if value is not None else (int if key == "replicas" else str)
         ap.add_argument("--" + key.replace("_", "-"), type=kind, default=None)
     args = ap.parse_args()
     cfg = dict(DEFAULTS)
     if args.config:
-        import tomllib
+        from hpctrain.config import load_config
 
-        with open(args.config, "rb") as f:
-            data = tomllib.load(f)
-        for table in data.values():
-            unknown = set(table) - set(DEFAULTS)
-            if unknown:
-                raise SystemExit(f"{args.config}: unknown keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-            cfg.update(table)
+        loaded = load_config(args.config)
+        p = loaded.parallel
+        cfg.update(stages=p.stages, tensor=p.tensor, schedule=p.schedule, micro_batches=p.micro_batches,
+                   balance=p.balance, compression=loaded.comm.compression, backend=loaded.comm.backend)
     cfg.update({k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
     return cfg
 
@@ -77,7 +79,7 @@ def main():
                         loss_fn=nn.MSELoss(), optimizer=lambda p: torch.optim.AdamW(p, lr=cfg["lr"] / 10),
                         micro_batches=cfg["micro_batches"], schedule=cfg["schedule"], balance=cfg["balance"],
                         sample=teacher_batch(0, cfg["micro_batches"], cfg["seq"])[0],
-                        compression=cfg["compression"])
+                        compression=cfg["compression"], backend=cfg["backend"])
     root = hp.grid.rank == 0
     progress = Progress()
     if cfg["resume"]:

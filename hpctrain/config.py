@@ -1,6 +1,6 @@
 """Configuration: one dataclass per TOML section, ``key=value`` overrides, validation.
 
-    [run]   [model]   [data]   [train]   [comm]   [checkpoint]   [monitor]
+    [run]   [model]   [data]   [train]   [comm]   [checkpoint]   [monitor]   [parallel]
 
 Sources, each later one winning: the TOML file, ``HPCTRAIN_BACKEND`` (see
 :mod:`hpctrain.settings`), ``section.key=value`` overrides typed by the field they set.
@@ -181,6 +181,20 @@ class MonitorConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """``[parallel]``: split the model over ranks (docs/parallelism.md). Each replica is
+    ``stages x tensor`` ranks; replicas = ranks / (stages x tensor). With ``stages = tensor = 1``
+    (the default) training is data-parallel and nothing here is used. In a split run
+    ``train.batch_size`` is per replica (one pipeline pass, cut into ``micro_batches``)."""
+
+    stages: int = 1  # pipeline stages (consecutive layers per stage)
+    tensor: int = 1  # tensor-parallel ranks per stage (attention heads and MLP widths split)
+    schedule: str = "1f1b"  # "1f1b" (less activation memory) or "gpipe"
+    micro_batches: int = 1  # per replica and step; use several per stage to keep the pipeline busy
+    balance: str = "params"  # layers per stage by parameter count, or "time" (measured per layer)
+
+
+@dataclass
 class TrainConfig:
     """A whole run's configuration: one attribute per TOML section.
 
@@ -196,6 +210,7 @@ class TrainConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_dict(cls, data, source="configuration"):
@@ -606,8 +621,9 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
         raise ConfigError(f"train.rollback_lr_factor = {t.rollback_lr_factor!r} must be in (0, 1] (the learning "
                           f"rate is multiplied by it at each rollback)",
                           hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
+    data_ranks = _check_layout(cfg.parallel, world_size)  # the replicas: world_size when not split
     if t.global_batch_size:
-        t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, world_size, t.accumulation)
+        t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, data_ranks, t.accumulation)
         if note:  # what was changed, for rank 0 to say (not a field: never written to config.toml)
             cfg.notes = (note,)
     from .models import NAMES as MODELS
@@ -650,4 +666,71 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
     from .factories import check_factories
 
     check_factories(cfg, need_data=need_data)  # the user's import paths and keyword arguments
+    _check_split(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------- [parallel]
+SCHEDULES = ("1f1b", "gpipe")
+BALANCES = ("params", "time")
+
+
+def is_split(cfg):
+    """True when ``[parallel]`` splits the model (more than one stage or tensor rank)."""
+    return cfg.parallel.stages * cfg.parallel.tensor > 1
+
+
+def _check_layout(p, world_size):
+    """The number of replicas (data-parallel ranks) of ``[parallel]`` on ``world_size`` ranks."""
+    for name in ("stages", "tensor", "micro_batches"):
+        value = getattr(p, name)
+        if value < 1:
+            raise ConfigError(f"parallel.{name} = {value!r} must be >= 1",
+                              hint=f"set parallel.{name} to a positive integer, e.g. parallel.{name}=2")
+    for name, choices in (("schedule", SCHEDULES), ("balance", BALANCES)):
+        value = getattr(p, name)
+        if value not in choices:
+            close = _closest(value, choices)
+            raise ConfigError(f"parallel.{name} = {value!r} is not one of {', '.join(choices)}",
+                              hint=f"did you mean parallel.{name} = {close!r}?" if close
+                              else f"set parallel.{name} to one of {', '.join(choices)}")
+    from .parallel.layout import Layout
+
+    return Layout(p.stages, None, p.tensor).resolve(world_size).replicas
+
+
+def _check_split(cfg):
+    """What a split run cannot do (yet), each with the setting to change."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if m.name == "transformer":
+        if m.in_features % 8:
+            raise ConfigError(f"model.in_features = {m.in_features} is not a multiple of 8: the transformer reads "
+                              f"a sample as tokens of 8 features", hint="use a multiple of 8, e.g. 64")
+        if m.hidden % (4 * p.tensor):
+            raise ConfigError(f"model.hidden = {m.hidden} does not split into 4 attention heads over "
+                              f"parallel.tensor = {p.tensor} rank(s)",
+                              hint=f"use a multiple of {4 * p.tensor} for model.hidden, or fewer tensor ranks")
+    if not is_split(cfg):
+        return
+    why = "in a split run (parallel.stages x parallel.tensor > 1)"
+    if t.accumulation != 1:
+        raise ConfigError(f"train.accumulation = {t.accumulation} is not used {why}: the pipeline's micro-batches "
+                          f"accumulate the gradients", hint=f"set train.accumulation=1 and parallel.micro_batches="
+                                                               f"{p.micro_batches * t.accumulation}")
+    if t.batch_size < p.micro_batches:
+        raise ConfigError(f"train.batch_size = {t.batch_size} (per replica) cannot be cut into parallel.micro_batches "
+                          f"= {p.micro_batches} micro-batches", hint=f"use train.batch_size >= {p.micro_batches}, or "
+                                                                     f"fewer micro-batches")
+    if t.precision != "fp32":
+        raise ConfigError(f"train.precision = {t.precision!r} is not supported {why}",
+                          hint='use train.precision = "fp32"')
+    if cfg.checkpoint.async_save:
+        raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
+                          f"model in place", hint="set checkpoint.async_save=false")
+    if cfg.monitor.consistency_every:
+        raise ConfigError(f"monitor.consistency_every compares all ranks' models, but {why} the ranks hold "
+                          f"different parts; checkpoints still compare the replicas of each stage",
+                          hint="set monitor.consistency_every=0")
+    if cfg.comm.mode != "sync":
+        raise ConfigError(f"comm.mode = {cfg.comm.mode!r} is not supported {why}: the replicas of each stage "
+                          f"average their gradients at every step", hint='set comm.mode = "sync"')

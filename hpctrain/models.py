@@ -8,8 +8,11 @@ module to :class:`hpctrain.training.trainer.Trainer` from a script.
   ``residual = true`` the hidden layers are pre-norm residual blocks
   (``x + W relu(LayerNorm(x))``), which keeps a deep, wide MLP trainable: that is the
   ~25M-parameter model of ``examples/large_mlp.toml``.
+* ``transformer``: attention and MLP blocks as a stack of layers, the model that
+  ``[parallel]`` splits into pipeline stages and tensor-parallel ranks
+  (:mod:`hpctrain.parallel.transformer`).
 """
-NAMES = ("mlp",)
+NAMES = ("mlp", "transformer")
 
 
 def build_model(cfg):
@@ -27,6 +30,10 @@ def build_model(cfg):
         def forward(self, x):
             return x + self.drop(self.linear(torch.relu(self.norm(x))))
 
+    if cfg.name == "transformer":  # a stack of layers that pipeline stages build separately
+        from .parallel.transformer import transformer_stack
+
+        return transformer_stack(cfg, seed=torch.initial_seed()).sequential()
     if cfg.name != "mlp":
         raise ValueError(f"unknown model {cfg.name!r}")  # validate() has said so with a hint already
     layers = [nn.Flatten(), nn.Linear(cfg.in_features, cfg.hidden)]

@@ -126,3 +126,60 @@ class HorovodBackend(Backend):
         if wire is not flat:
             flat.copy_(wire)
         return flat
+
+
+class HorovodProcessSetBackend(HorovodBackend):
+    """Gradient averaging among a group of ranks (a Horovod process set), e.g. the replicas
+    of one pipeline stage. ``groups``: every group of the job as lists of world ranks, the
+    same on every rank (Horovod registers process sets collectively); this rank averages
+    within the group that holds it. Small collectives (``allreduce_mean``, ...) still span
+    the whole world.
+
+    Registered at ``hvd.init(comm=..., process_sets=...)`` when this is the first use of
+    Horovod in the process; if Horovod is already running, the sets can only be added with
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (set before the first ``hvd.init``).
+    """
+
+    def __init__(self, world, groups, compression="none", gradient_predivide_factor=1.0):
+        Backend.__init__(self, world, compression, gradient_predivide_factor)
+        hvd = self.hvd = import_horovod()
+        groups = [sorted(int(r) for r in g) for g in groups]
+        if not hvd.is_initialized():
+            sets = [hvd.ProcessSet(g) for g in groups]
+            hvd.init(comm=world.comm, process_sets=sets)
+        else:
+            import os
+
+            from ..coordination import everywhere
+
+            if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":  # the same on every rank
+                raise everywhere(BackendUnavailable(
+                    "Horovod is already initialised in this process without the process sets that the "
+                    "replicas of a split model average over",
+                    hint="set HOROVOD_DYNAMIC_PROCESS_SETS=1 before starting the job, or use the mpi backend "
+                         "(comm.backend = \"mpi\") for split models"))
+            sets = [hvd.add_process_set(g) for g in groups]  # collective: every rank, same order
+        mine = [s for s, g in zip(sets, groups) if world.rank in g]
+        if len(mine) != 1:
+            raise ConfigError(f"rank {world.rank} is in {len(mine)} of the process sets {groups}; expected one")
+        self.process_set = mine[0]
+        self.group = groups[sets.index(self.process_set)]
+        compressors = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+        if compression not in compressors:
+            raise ConfigError(f"unknown compression {compression!r}; expected one of "
+                              f"{', '.join(compressors)}", hint='comm.compression = "none" or "fp16"')
+        self._compressor = compressors[compression]
+
+    def distributed_optimizer(self, optimizer, model, accumulation=1):
+        return self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=self._compressor,
+            backward_passes_per_step=accumulation, op=self.hvd.Average,
+            gradient_predivide_factor=self.gradient_predivide_factor, process_set=self.process_set)
+
+    def broadcast_state(self, model, optimizer, root=0):
+        raise NotImplementedError("broadcast within a process set goes over the group's MPI communicator "
+                                  "(hpctrain.parallel.hybrid.DataParallelGroup.broadcast)")
+
+    def describe(self):
+        return (f"horovod backend over process sets of {len(self.group)} rank(s), compression "
+                f"{self.compression}, gradient_predivide_factor {self.gradient_predivide_factor:g}")

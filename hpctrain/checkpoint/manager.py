@@ -323,7 +323,7 @@ class CheckpointManager:
             return False
         if mode != "auto":
             path = os.path.abspath(mode)
-            h = load_checkpoint(path, state, self.comm)
+            h = self._load_file(path, state)
             self._loaded(state, path, h)
             return True
         return self._load_newest(state) is not None
@@ -344,7 +344,7 @@ class CheckpointManager:
         problems = []
         for path in candidates:
             try:
-                h = load_checkpoint(path, state, self.comm)
+                h = self._load_file(path, state)
             except fmt.CheckpointCorrupt as exc:
                 reason = str(exc).split("\nHINT:")[0]
                 problems.append(reason)
@@ -466,15 +466,14 @@ class CheckpointManager:
         file is written in the background and is durable once the next save or
         :meth:`close` returns."""
         self.wait()
-        check_consistency(state.model, self.comm, self.cfg.consistency)
+        self._check_replicas(state)
         step = state.progress.step
         final = os.path.join(self.directory, fmt.checkpoint_name(step))
         info = on_root(lambda: _prepare(final, self.comm, self.parallel, self.run_config, metrics, reason, step),
                        self.comm)
         metric = (metrics or {}).get(self.cfg.best_metric)
         background = self.cfg.async_save and self._threads_ok()
-        plan = _plan(state, info, self.comm, self.parallel, copy=background,
-                     buffers=self._host_buffers if background else None)
+        plan = self._make_plan(state, info, background)
         if background:
             # Refuse a diverged state here, not at the next wait(): each rank checks the
             # rows it will write, in its fresh (cache-warm) private copy.
@@ -581,3 +580,18 @@ class CheckpointManager:
             if self._bg_comm is not None:
                 self._bg_comm.Free()
                 self._bg_comm = None
+
+    # -- what a split model (hpctrain.parallel.strategy.SplitCheckpoints) does differently
+
+    def _check_replicas(self, state):
+        """Collective: the ranks holding copies of the same tensors must agree."""
+        check_consistency(state.model, self.comm, self.cfg.consistency)
+
+    def _make_plan(self, state, info, background):
+        """This rank's part of the file: data parallel, every rank shares out the rows of one model."""
+        return _plan(state, info, self.comm, self.parallel, copy=background,
+                     buffers=self._host_buffers if background else None)
+
+    def _load_file(self, path, state):
+        """Collective: read ``path`` into ``state``; returns its header."""
+        return load_checkpoint(path, state, self.comm)

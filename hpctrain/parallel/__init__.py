@@ -11,6 +11,9 @@ import importlib
 
 _EXPORTS = {
     "Layout": "layout",
+    "LayerStack": "stack",
+    "ReplicaBackend": "hybrid",
+    "SplitModel": "strategy",
     "ProcessGrid": "layout",
     "Pipeline": "pipeline",
     "partition": "pipeline",

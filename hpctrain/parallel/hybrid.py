@@ -4,10 +4,10 @@ gradients of a stage are then averaged among that stage's replicas only, over
 ``grid.dp_comm``, by the mpi4py backend (:mod:`hpctrain.backends.mpi_backend`) with its
 fused buffers and optional fp16 compression.
 
-Why not Horovod here: Horovod's optimizer reduces over the whole job (or a process set
-registered by every rank at ``hvd.init``); hpctrain's Horovod backend is built for the
-whole world, so hybrid layouts use the mpi backend. Pure data parallelism (one stage, one
-tensor rank) is what :class:`hpctrain.Trainer` does with either backend.
+``backend="horovod"`` averages over Horovod process sets instead, one per stage and
+tensor rank, registered on every rank (``hpctrain train`` does this by default,
+:mod:`hpctrain.parallel.strategy`). Pure data parallelism (one stage, one tensor rank) is
+what :class:`hpctrain.Trainer` does with either backend.
 
 Launch (4 ranks: 2 stages x 2 replicas)::
 
@@ -22,8 +22,9 @@ In code::
         loss = hp.train_step(x, y)
     hp.save("run/ckpt-00000100.h5", progress) # one HDF5 file, global tensors
 """
+from ..backends.base import Backend
 from ..errors import ConfigError
-from .layout import Layout, ProcessGrid
+from .layout import Layout, ProcessGrid, rank_of
 from .pipeline import Pipeline
 
 
@@ -36,34 +37,115 @@ def sub_world(comm):
                  node=node_name(), launcher="mpirun", comm=comm)
 
 
+def replica_groups(layout):
+    """Every data-parallel group of ``layout`` as lists of ranks: for each stage and tensor
+    rank, the ranks of its replicas (pure; the same on every rank)."""
+    return [[rank_of(r, s, t, layout) for r in range(layout.replicas)]
+            for s in range(layout.stages) for t in range(layout.tensor)]
+
+
+class ReplicaBackend(Backend):
+    """The backend of a split model: gradients averaged among the replicas of each stage
+    (and tensor rank), small collectives (``allreduce_mean``, ...) over the whole grid, so a
+    trainer can use it like a data-parallel backend.
+
+    ``name="horovod"``: one Horovod process set per stage and tensor rank
+    (:class:`~hpctrain.backends.horovod_backend.HorovodProcessSetBackend`), the all-reduce
+    overlapping the backward pass; ``"mpi"``: the mpi4py backend over ``grid.dp_comm``. Both
+    take ``compression="fp16"``. Broadcasts go over ``grid.dp_comm`` either way.
+    """
+
+    def __init__(self, grid, name="mpi", compression="none", gradient_predivide_factor=1.0, backward_passes=1):
+        from ..backends import NAMES
+        from ..backends.mpi_backend import MPIBackend
+
+        if name not in NAMES:
+            raise ConfigError(f"comm.backend is {name!r}; expected one of {', '.join(NAMES)}",
+                              hint='set comm.backend = "horovod" or "mpi"')
+        world = sub_world(grid.comm)
+        super().__init__(world, compression, gradient_predivide_factor)
+        self.grid = grid
+        self.name = name
+        # Backward passes that reach each parameter per step: one per pipeline micro-batch
+        # (Horovod starts its all-reduce after the last of them).
+        self.backward_passes = backward_passes
+        self._group_mpi = MPIBackend(sub_world(grid.dp_comm), compression, gradient_predivide_factor)
+        self._world_mpi = MPIBackend(world)
+        # One replica: nothing to average, so no Horovod process sets either.
+        if name == "horovod" and grid.layout.replicas > 1:
+            from ..backends import _backend_class
+            from ..coordination import all_or_none
+
+            all_or_none(lambda: _backend_class("horovod"), grid.comm)  # every rank can load it, or none waits
+            from ..backends.horovod_backend import HorovodProcessSetBackend
+
+            self.group = HorovodProcessSetBackend(world, replica_groups(grid.layout), compression,
+                                                  gradient_predivide_factor)
+        else:
+            self.group = self._group_mpi
+
+    def distributed_optimizer(self, optimizer, model, accumulation=1):
+        return self.group.distributed_optimizer(optimizer, model, accumulation * self.backward_passes)
+
+    def broadcast_state(self, model, optimizer, root=0):
+        self._group_mpi.broadcast_state(model, optimizer, root)
+
+    def synchronize(self, optimizer):
+        if self.grid.dp_comm.Get_size() > 1:
+            self.group.synchronize(optimizer)
+
+    def step(self, optimizer, scaler=None):
+        # Horovod's optimizer must not wait for the gradients a second time.
+        self.group.step(optimizer, scaler)
+
+    def allreduce_mean(self, value):
+        return self._world_mpi.allreduce_mean(value)
+
+    def broadcast_object(self, obj, root=0):
+        return self._world_mpi.broadcast_object(obj, root)
+
+    def allgather_object(self, obj):
+        return self._world_mpi.allgather_object(obj)
+
+    def barrier(self):
+        self._world_mpi.barrier()
+
+    def close(self):
+        for b in (self.group, self._group_mpi, self._world_mpi):
+            b.close()
+
+    def describe(self):
+        if self.grid.layout.replicas == 1:
+            return f"{self.grid.layout.describe()} (one replica: no gradient averaging)"
+        how = "Horovod process sets" if self.group is not self._group_mpi else "mpi sub-communicators"
+        return (f"{self.grid.layout.describe()}; replicas average over {how}, compression {self.compression}, "
+                f"gradient_predivide_factor {self.gradient_predivide_factor:g}")
+
+
 class DataParallelGroup:
-    """Averages the gradients of this stage's parameters among its replicas (``grid.dp_comm``).
+    """Averages the gradients of this stage's parameters among its replicas, with a
+    :class:`ReplicaBackend` (``backend="horovod"`` or ``"mpi"``).
 
     >>> dp = DataParallelGroup(grid, pipe.module, optimizer, compression="fp16")   # doctest: +SKIP
     >>> dp.broadcast()        # replica 0's parameters and optimizer state to the others
-    >>> ...; loss.backward(); dp.synchronize(); optimizer.step()
+    >>> ...; loss.backward(); dp.synchronize(); dp.step()
     """
 
-    def __init__(self, grid, module, optimizer, backend="mpi", compression="none", gradient_predivide_factor=1.0):
-        if backend != "mpi":
-            raise ConfigError(
-                f"comm.backend is {backend!r}, but pipeline and tensor-parallel layouts average gradients "
-                f"within each stage's replicas with the mpi backend",
-                hint='set comm.backend = "mpi" for layouts with more than one stage or tensor rank')
-        from ..backends.mpi_backend import MPIBackend
-
+    def __init__(self, grid, module, optimizer, backend="mpi", compression="none", gradient_predivide_factor=1.0,
+                 backward_passes=1):
         self.grid = grid
         self.module = module
-        self.backend = MPIBackend(sub_world(grid.dp_comm), compression=compression,
-                                  gradient_predivide_factor=gradient_predivide_factor)
+        self.backend = ReplicaBackend(grid, backend, compression, gradient_predivide_factor, backward_passes)
         self.optimizer = self.backend.distributed_optimizer(optimizer, module)
 
     def broadcast(self):
         self.backend.broadcast_state(self.module, self.optimizer, root=0)
 
     def synchronize(self):
-        if self.grid.dp_comm.Get_size() > 1:
-            self.backend.synchronize(self.optimizer)
+        self.backend.synchronize(self.optimizer)
+
+    def step(self):
+        self.backend.step(self.optimizer)
 
     def close(self):
         self.backend.close()
@@ -83,9 +165,9 @@ class HybridParallel:
         self.grid = ProcessGrid.build(layout if isinstance(layout, Layout) else Layout(**layout), comm)
         self.pipeline = Pipeline(model, self.grid, loss_fn, micro_batches, schedule, balance, sample)
         self.module = self.pipeline.module
-        self.optimizer = optimizer(self.module.parameters())
-        self.dp = DataParallelGroup(self.grid, self.module, self.optimizer, backend, compression,
-                                    gradient_predivide_factor)
+        self.dp = DataParallelGroup(self.grid, self.module, optimizer(self.module.parameters()), backend,
+                                    compression, gradient_predivide_factor, backward_passes=micro_batches)
+        self.optimizer = self.dp.optimizer  # Horovod's wrapper with backend="horovod"
         # Replicas start equal even if a rank's generator differed when the model was built.
         self.dp.broadcast()
 
@@ -109,8 +191,8 @@ class HybridParallel:
         """One optimizer step on a global batch; returns the mean loss over all replicas."""
         loss = self.pipeline.train_step(self._share(inputs), self._share(targets))
         self.dp.synchronize()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.dp.step()
+        self.optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none; None is the default)
         return self.grid.dp_comm.allreduce(loss) / self.layout.replicas
 
     def forward(self, inputs):

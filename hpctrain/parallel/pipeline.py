@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .stack import LayerStack
 
 SCHEDULES = ("gpipe", "1f1b")
 BALANCE = ("params", "time")
@@ -110,21 +111,24 @@ def layer_list(model):
 
 
 def measure_times(layers, sample, repeats=3):
-    """Forward + backward seconds of each layer on ``sample`` (best of ``repeats``)."""
-    times = [float("inf")] * len(layers)
-    for _ in range(repeats):
-        x = sample
-        for i, layer in enumerate(layers):
+    """Forward + backward seconds of each layer on ``sample`` (best of ``repeats``).
+    ``layers`` may be a generator (:meth:`LayerStack.layers`): each layer is timed, then
+    dropped, so only one is alive at a time."""
+    times = []
+    x = sample
+    for layer in layers:
+        best = float("inf")
+        for _ in range(repeats):
             x_in = x.detach().requires_grad_(x.is_floating_point())
             t0 = time.perf_counter()
             y = layer(x_in)
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
-            times[i] = min(times[i], time.perf_counter() - t0)
-            x = y.detach()
-    for layer in layers:  # the timing passes must not leave gradients behind
-        for p in layer.parameters():
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+        for p in layer.parameters():  # the timing passes must not leave gradients behind
             p.grad = None
+        x = y.detach()
     return times
 
 
@@ -134,7 +138,8 @@ class Pipeline:
     """This rank's stage of a pipeline over ``grid.pp_comm``.
 
     ``model``: ``nn.Sequential`` or list of layers, the same on every rank (build it with
-    one seed everywhere; only this stage's layers are kept). ``loss_fn(output, target)``
+    one seed everywhere; only this stage's layers are kept), or a
+    :class:`~.stack.LayerStack`, of which every rank builds only its stage's layers. ``loss_fn(output, target)``
     runs on the last stage and should average over samples. ``balance``: ``"params"``
     (parameter count), ``"time"`` (measured on ``sample``, a micro-batch of inputs) or a
     list of layers per stage. With ``grid.layout.tensor > 1`` the stage's MLP and
@@ -154,7 +159,9 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.schedule = schedule
-        named = layer_list(model)
+        # A LayerStack is built lazily: only this stage's layers ever exist on this rank.
+        stack = model if isinstance(model, LayerStack) else None
+        named = [(name, None) for name in stack.names] if stack is not None else layer_list(model)
 
         def check():
             if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -171,7 +178,9 @@ class Pipeline:
                                       f"{self.stages}", hint="give one layer count per stage")
                 return bounds_from_counts(balance, len(named))
             if balance == "params":
-                return partition([sum(p.numel() for p in layer.parameters()) for _, layer in named], self.stages)
+                counts = (stack.parameter_counts() if stack is not None
+                          else [sum(p.numel() for p in layer.parameters()) for _, layer in named])
+                return partition(counts, self.stages)
             if balance == "time":
                 if sample is None:
                     raise ConfigError("balance='time' needs a sample micro-batch to time the layers on",
@@ -182,11 +191,15 @@ class Pipeline:
         # The same checks on every rank: a bad configuration fails everywhere alike.
         self.bounds = all_or_none(check, grid.comm)
         if self.bounds is None:
-            self.bounds = self._balance_by_time([layer for _, layer in named], sample)
+            layers = stack.layers() if stack is not None else [layer for _, layer in named]
+            self.bounds = self._balance_by_time(layers, sample)
         start, stop = self.bounds[self.stage]
 
         def build():
-            stage = nn.Sequential(OrderedDict(named[start:stop]))
+            if stack is not None:
+                stage = stack.sequential(start, stop)
+            else:
+                stage = nn.Sequential(OrderedDict(named[start:stop]))
             if grid.layout.tensor > 1:
                 from .tensor import tensor_parallelize
 

@@ -19,7 +19,9 @@ def main(argv=None):
     """``hpctrain train CONFIG [section.key=value ...]``: 0 done, 3 stopped on request, 2 bad input,
     5 stopped by non-finite gradients (``train.on_nonfinite``), 4 a hang ended by the watchdog."""
     parser = argparse.ArgumentParser(
-        prog="hpctrain train", description="Train data-parallel; launch with mpirun or srun --mpi=pmix.",
+        prog="hpctrain train",
+        description="Train data-parallel, or split into pipeline stages and tensor-parallel ranks as [parallel] "
+                    "says; launch with mpirun or srun --mpi=pmix.",
         epilog="example: mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32 comm.backend=mpi")
     parser.add_argument("config", help="TOML configuration file")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",

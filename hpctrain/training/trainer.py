@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..config import TrainConfig, load_config, validate
+from ..config import TrainConfig, is_split, load_config, validate
 from ..coordination import all_or_none, any_rank, everywhere, on_root
 from ..errors import ConfigError
 from ..job import rundir, runlock
@@ -80,6 +80,7 @@ class Run:
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
     evaluated_at: Optional[int] = None  # the step of the last evaluation
     metrics_fn: Any = None  # train.metrics: (output, target) -> {name: (sum, count)}
+    split: Any = None  # a parallel.strategy.SplitModel when [parallel] splits the model, else None
 
 
 class Trainer:
@@ -165,8 +166,14 @@ class Trainer:
         # A step, or any other collective phase (watching(...)), that outlives step_timeout (a
         # rank stuck in a collective) ends the whole job. Made first: the set-up below already waits.
         watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=comm, where=world.where()))
-        backend = get_backend(cfg.comm.backend, world, cfg.comm.compression,
-                              cfg.comm.gradient_predivide_factor)
+        split = None
+        if is_split(cfg):  # pipeline/tensor parallel: the grid and the replicas' backend
+            from ..parallel.strategy import SplitModel
+
+            with watching("building the process grid"):
+                split = SplitModel(cfg, world)
+        backend = split.backend if split is not None else get_backend(
+            cfg.comm.backend, world, cfg.comm.compression, cfg.comm.gradient_predivide_factor)
         with watching("creating the run directory"):
             run_dir = on_root(lambda: rundir.create(cfg, world, backend), comm)
         if world.is_root:
@@ -174,13 +181,20 @@ class Trainer:
 
         with watching("opening the data set"):
             train, val = self._datasets(cfg, world)
-            sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, world.size, t.accumulation)
+            # Split runs: each replica (not each rank) reads train.batch_size samples per step.
+            sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size,
+                                   split.replicas if split is not None else world.size, t.accumulation)
             all_or_none(lambda: _check_enough_data(sampler), comm)
 
         torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
-        # [model] factory (or the built-in MLP); a failure on one rank is raised on all
-        model = self.model if self.model is not None else all_or_none(lambda: build_model(cfg.model), comm)
-        model.to(world.device)
+        loss_fn = self.loss_fn or build_loss(cfg.train.loss)
+        if split is not None:
+            with watching("building this rank's pipeline stage"):
+                model = split.build(self.model, train, loss_fn)
+        else:
+            # [model] factory (or the built-in MLP); a failure on one rank is raised on all
+            model = self.model if self.model is not None else all_or_none(lambda: build_model(cfg.model), comm)
+            model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
         mode = comm_modes.build(cfg.comm, backend, model)  # comm.mode: sync, local_sgd, stale
         optimizer = mode.wrap_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
@@ -189,7 +203,7 @@ class Trainer:
 
         checkpoints = self.checkpoints
         if checkpoints == "auto":
-            checkpoints = _default_checkpoints(cfg, world, run_dir)
+            checkpoints = _default_checkpoints(cfg, world, run_dir, split)
         with watching("resume from a checkpoint"):
             if checkpoints is not None and checkpoints.resume(state):
                 sampler.seed = state.progress.seed  # the data order of the run being resumed
@@ -208,21 +222,26 @@ class Trainer:
                 callbacks = build_callbacks(cfg.monitor, run_dir, comm=comm, total_steps=total_steps,
                                             samples_per_step=sampler.global_batch) + callbacks
         params, tensors = count_parameters(model)
-        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}, {mode.describe()}; model {params:,} "
-                  f"parameters in {tensors} tensors; global batch {sampler.global_batch} = {t.batch_size} x "
-                  f"{world.size} ranks x {t.accumulation}; {sampler.steps_per_epoch} steps/epoch; "
+        self._log(f"{world.size} ranks ({world.launcher}), {backend.describe()}, {mode.describe()}; "
+                  f"{'rank 0 stage' if split else 'model'} {params:,} parameters in {tensors} tensors; "
+                  f"global batch {sampler.global_batch} = {t.batch_size} x "
+                  f"{sampler.ranks} {'replicas' if split else 'ranks'} x {t.accumulation}; "
+                  f"{sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
         for note in getattr(cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
             self._log(note)
+        if split is not None:
+            self._log(f"split model: {split.describe()}")
         model.train()
         return Run(world, cfg, backend, run_dir, train, val, sampler, state, checkpoints, callbacks,
                    PhaseTimer(sync=torch.cuda.synchronize if cuda else None), watchdog,
-                   self.loss_fn or build_loss(cfg.train.loss), base_lr, metrics_fn=build_metrics(cfg.train.metrics))
+                   loss_fn, base_lr, metrics_fn=build_metrics(cfg.train.metrics), split=split)
 
     def _train_epoch(self, run):
         """Train from where the run stands to the end of its epoch, or until it must stop."""
         t, progress = run.cfg.train, run.state.progress
-        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.world.rank):
+        data_rank = run.split.replica if run.split is not None else run.world.rank
+        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, data_rank):
             if t.max_steps and progress.step >= t.max_steps:
                 return MAX_STEPS
             if self._step(run, micro_batches) == ROLLED_BACK:
@@ -266,6 +285,8 @@ class Trainer:
             with watching("final wait for a background checkpoint save"):
                 run.checkpoints.close()
         run.backend.close()
+        if run.split is not None:
+            run.split.close()
 
     # ------------------------------------------------------------------ one step
     def _step(self, run, micro_batches):
@@ -304,6 +325,9 @@ class Trainer:
         _seed_step(state.progress.seed, state.progress.step, run.world.rank)
         total = 0.0
         for indices in micro_batches:
+            if run.split is not None:  # reads, forward and backward passes through the pipeline
+                total += run.split.forward_backward(run, indices)
+                continue
             with timer.phase("data"):
                 x, y = run.train.read(indices)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -321,11 +345,12 @@ class Trainer:
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
             bad = None  # the first parameter whose gradient is not finite
-            if not apply:
-                pass
-            elif scaler is None and not nonfinite.grads_finite(optimizer):
+            finite = not apply or scaler is not None or nonfinite.grads_finite(optimizer)
+            if run.split is not None:  # each rank holds a part of the model: one verdict for all
+                finite = run.split.all_finite(finite)
+            if not finite:
                 bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
-            else:
+            elif apply:  # comm.mode = stale applies nothing at its first step
                 state.comm.step(optimizer, scaler)
             optimizer.zero_grad()
         with timer.phase("allreduce_wait"):
@@ -403,8 +428,10 @@ class Trainer:
         from . import evaluation
 
         model, val, world, t = run.state.model, run.val, run.world, run.cfg.train
-        indices = eval_shard(len(val), world.rank, world.size)
         size = t.eval_batch_size or t.batch_size
+        if run.split is not None:  # through the pipeline; the last stages score
+            return self._evaluated(run, run.split.eval_totals(run, size))
+        indices = eval_shard(len(val), world.rank, world.size)
         totals = {"loss": (0.0, 0)}  # name -> (sum, count): val_loss, val_accuracy where it applies, train.metrics
         model.eval()
         with torch.no_grad():
@@ -415,9 +442,14 @@ class Trainer:
                     out = model(x)
                 evaluation.add(totals, evaluation.score_batch(out.float(), y, run.loss_fn, run.metrics_fn))
         model.train()
+        return self._evaluated(run, totals)
+
+    def _evaluated(self, run, totals):
+        from . import evaluation
+
         # Sums, not per-rank means: ranks may hold different numbers of samples. Added in rank
         # order on every rank, so all report the same numbers.
-        run.metrics = evaluation.means(evaluation.combine(world.comm.allgather(totals)))
+        run.metrics = evaluation.means(evaluation.combine(run.world.comm.allgather(totals)))
         run.evaluated_at = run.state.progress.step
         for cb in run.callbacks:
             _call(cb, "on_eval", run.state, run.metrics)
@@ -486,10 +518,12 @@ def _check_enough_data(sampler):
             f"{sampler.num_samples} training samples", hint="lower train.batch_size or train.accumulation")
 
 
-def _default_checkpoints(cfg, world, run_dir):
+def _default_checkpoints(cfg, world, run_dir, split=None):
     from ..checkpoint import CheckpointManager
 
     directory = cfg.checkpoint.directory or os.path.join(run_dir, "checkpoints")
+    if split is not None:  # the same manager, with the split model's plan of who writes what
+        return split.checkpoints(directory, cfg.to_dict())
     return CheckpointManager(directory, world, cfg.checkpoint, run_config=cfg.to_dict())
 
 
