@@ -66,6 +66,24 @@ def test_tasks_srun_killed_after_a_failure_are_not_the_cause():
     assert (f.cause, f.rank, f.host, f.status, f.source) == ("failure", 1, "node01", 1, "srun")
 
 
+# A node lost inside an allocation with --no-kill (its slurmd killed, or cut off): the ranks
+# elsewhere hang in a collective until the watchdog ends them, then srun names the node.
+SRUN_NODE_LOST = """srun: error: n1: task 0: Exited with exit code 4
+srun: launch/slurm: _step_signal: Terminating StepId=1.0
+srun: error: n2: task 1: Killed
+srun: error: Node failure on n3
+"""
+
+
+def test_a_node_slurm_lost_is_the_cause_before_the_hang_it_caused():
+    assert failure.launcher_events(SRUN_NODE_LOST)[-1] == {
+        "rank": None, "host": "n3", "signal": None, "status": None, "source": "srun", "node_failure": True}
+    records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    f = failure.diagnose(1, records, failure.launcher_events(SRUN_NODE_LOST))
+    assert (f.cause, f.host, f.rank, f.restartable, f.source) == ("node_failure", "n3", None, True, "srun")
+    assert f.describe() == "node n3 failed (Slurm lost contact with it)"
+
+
 @pytest.mark.parametrize("status,cause,restartable", [(2, "bad_input", False), (5, "diverged", False),
                                                       (3, "stopped", False), (1, "exception", True)])
 def test_the_first_own_record_decides(status, cause, restartable):
@@ -160,6 +178,17 @@ def test_srun_leaves_the_failed_node_out_and_resumes(tmp_path):
         ("restart", "signal", 3, "n2", 6, 4)
     assert (rec["failed_step"], rec["resume_step"], rec["steps_lost"], rec["excluded"]) == (13, 10, 3, ["n2"])
     assert rec["changes"] == ["global batch 48 kept: 12 per rank x 4 ranks x 1"]
+
+
+def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):
+    records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    lost = Attempt(1, SRUN_NODE_LOST, records, [start(["n1", "n2", "n3"])], 1.0)
+    sup = Scripted(p, [lost, Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    assert sup.commands[1][:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--exclude=n3", "-N", "2"]
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (rec["cause"], rec["host"], rec["excluded"], rec["ranks_after"]) == ("node_failure", "n3", ["n3"], 2)
 
 
 def test_mpirun_on_several_hosts_gets_a_host_list_without_the_failed_one(tmp_path):
