@@ -191,6 +191,42 @@ def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):
     assert (rec["cause"], rec["host"], rec["excluded"], rec["ranks_after"]) == ("node_failure", "n3", ["n3"], 2)
 
 
+def test_unresponsive_nodes_from_sinfo():
+    text = "n1 mix\nn2 mix*\nn3 idle\nn4 down*\nn5 drng\nn6 alloc\n"
+    assert supervisor.unresponsive_nodes(text, ["n6", "n5", "n4", "n3", "n2", "n1"]) == ["n5", "n4", "n2"]
+    assert supervisor.unresponsive_nodes("", ["n1"]) == []
+    assert supervisor.node_states(text)["n4"] == "down*"
+
+
+def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tmp_path, monkeypatch):
+    # a network partition: every rank hung alike, srun names no node, Slurm's node state does
+    asked = []
+    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: asked.append(nodes) or ["n2"])
+    down = iter([False, False, True])  # flagged first, marked down two polls later
+    monkeypatch.setattr(supervisor, "_slurm_down", lambda node: next(down))
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    text = ("MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\nwith errorcode 4.\n"
+            "srun: error: n1: task 0: Killed\nsrun: error: n3: task 2: Exited with exit code 4\n"
+            "srun: error: Timed out waiting for job step to complete\n")
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    sup = Scripted(p, [Attempt(4, text, records, [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and asked == [["n1", "n2", "n3"]] and list(down) == []  # waited for "down"
+    assert sup.commands[1][:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--exclude=n2", "-N", "2"]
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (rec["cause"], rec["host"], rec["source"], rec["failed_step"]) == ("node_failure", "n2", "slurm", 9)
+
+
+def test_a_hang_with_every_node_responding_relaunches_on_the_same_nodes(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor, "NODE_CHECK_SECONDS", 0)
+    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: [])
+    records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    sup = Scripted(p, [Attempt(4, "", records, [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and sup.commands[1][:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "3"]
+    assert "--exclude" not in " ".join(sup.commands[1])
+
+
 def test_mpirun_on_several_hosts_gets_a_host_list_without_the_failed_one(tmp_path):
     sup = Scripted(plan(tmp_path, Mpirun(["--bind-to", "none"]), 6), [killed(5, "n3"), Attempt(0, "", [], [], 1.0)])
     assert sup.run() == 0

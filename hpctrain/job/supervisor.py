@@ -52,6 +52,11 @@ PREFIX = "hpctrain launch"
 FAILURE_FILE = "failures.jsonl"
 METRICS_FILE = "metrics.jsonl"  # as monitoring.runlog writes it (not imported: that pulls numpy)
 TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
+# After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering
+# (cut off from the network: its ranks hang like the others and srun names no node).
+NODE_CHECK_SECONDS = 30
+# ... and, once it is flagged, for Slurm to mark it down (after its SlurmdTimeout, 300 s by default).
+NODE_DOWN_SECONDS = 600
 
 
 def _say(text):
@@ -215,6 +220,43 @@ def _slurm_hosts(environ):
     return out or None
 
 
+DOWN_STATES = ("down", "drain", "drng", "fail")
+
+
+def node_states(sinfo_text):
+    """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); a ``*`` after the state: the
+    node does not answer Slurm."""
+    states = {}
+    for line in sinfo_text.splitlines():
+        name, _, state = line.strip().partition(" ")
+        if name:
+            states[name] = state.strip()
+    return states
+
+
+def unresponsive_nodes(sinfo_text, nodes):
+    """The nodes of ``nodes`` that ``sinfo -h -N -o "%N %t"`` shows down, failing, drained or not
+    responding, in ``nodes``' order (pure)."""
+    states = node_states(sinfo_text)
+    return [n for n in nodes if n in states and (states[n].endswith("*") or states[n].startswith(DOWN_STATES))]
+
+
+def _sinfo(nodes):
+    try:
+        return subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _slurm_unresponsive(nodes):
+    return unresponsive_nodes(_sinfo(nodes), nodes)
+
+
+def _slurm_down(node):
+    return node_states(_sinfo([node])).get(node, "").startswith(DOWN_STATES)
+
+
 def make_plan(args, environ=None):
     """Everything a launch needs, checked before anything starts (ConfigError on bad input)."""
     from ..config import load_config, resolve_global_batch
@@ -333,6 +375,8 @@ class Supervisor:
                 return 0
             hosts = _job_hosts(attempt.metrics)
             failed = fail.diagnose(attempt.returncode, attempt.records, fail.launcher_events(attempt.tail), hosts)
+            if failed.restartable and failed.cause != "node_failure" and self.stop_signal is None:
+                failed = self._lost_node(failed, hosts)
             if self.stop_signal is not None:
                 status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
                 _say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; "
@@ -355,6 +399,36 @@ class Supervisor:
             ranks = after
 
     # -- decisions
+    def _lost_node(self, failed, hosts):
+        """``failed``, or a node failure when Slurm says one of the launch's nodes stopped answering.
+        A node cut off from the network leaves every rank hung alike (the watchdog names no culprit)
+        or failing in a collective with it, and srun may not name it: Slurm's node states do, after
+        a while, so a hang waits up to NODE_CHECK_SECONDS for them."""
+        p = self.plan
+        if not isinstance(p.launcher, Srun):
+            return failed
+        spread = sorted(set(hosts)) if hosts else [h for h in (p.hosts or {}) if h not in p.excluded]
+        if len(spread) < 2:
+            return failed
+        deadline = time.monotonic() + (NODE_CHECK_SECONDS if failed.cause == "hang" else 0)
+        while True:
+            lost = _slurm_unresponsive(spread)
+            if lost:
+                break
+            if time.monotonic() >= deadline:
+                return failed
+            time.sleep(2)
+        node = lost[0]
+        _say(f"{failed.describe()}; Slurm reports node {node} not responding")
+        # Until Slurm marks the node down (SlurmdTimeout), the old step holds the other nodes and a
+        # new one cannot start ("Requested nodes are busy", then fails as the node is removed).
+        deadline = time.monotonic() + NODE_DOWN_SECONDS
+        if not _slurm_down(node):
+            _say(f"waiting up to {NODE_DOWN_SECONDS} s for Slurm to mark node {node} down before relaunching")
+            while not _slurm_down(node) and time.monotonic() < deadline:
+                time.sleep(2)
+        return fail.Failure("node_failure", fail.EXIT_OTHER, True, host=node, step=failed.step, source="slurm")
+
     def _no_restart(self, failed):
         why = {"bad_input": "a configuration or data error: the same error would repeat. Fix it (see the HINT above) "
                             "and launch again",
