@@ -171,7 +171,7 @@ def test_srun_leaves_the_failed_node_out_and_resumes(tmp_path):
     first, second = sup.commands
     assert first[:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "6"] and "--exclude" not in " ".join(first)
     assert second[:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "4", "--exclude=n2", "-N", "2"]
-    assert second[8:] == ["--cpu-bind=cores", "py", "-m", "hpctrain", "train", "job.toml", "train.lr=0.1",
+    assert second[8:] == ["--overlap", "--cpu-bind=cores", "py", "-m", "hpctrain", "train", "job.toml", "train.lr=0.1",
                           f"run.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto"]
     (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert (rec["kind"], rec["cause"], rec["rank"], rec["host"], rec["ranks_before"], rec["ranks_after"]) == \
@@ -202,8 +202,9 @@ def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tm
     # a network partition: every rank hung alike, srun names no node, Slurm's node state does
     asked = []
     monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: asked.append(nodes) or ["n2"])
-    down = iter([False, False, True])  # flagged first, marked down two polls later
-    monkeypatch.setattr(supervisor, "_slurm_down", lambda node: next(down))
+    down = iter(["mix*", "mix*", "down*"])  # flagged first, marked down two polls later
+    monkeypatch.setattr(supervisor, "_slurm_state", lambda node: next(down))
+    monkeypatch.setattr(supervisor, "_left_allocation", lambda node, job: False)
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
     records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
     text = ("MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\nwith errorcode 4.\n"

@@ -97,6 +97,10 @@ class Srun:
             cmd += [f"--exclude={','.join(excluded)}"]
             if hosts:
                 cmd += ["-N", str(len(hosts))]
+            # Slurm keeps a step that ran on a node it lost cut off (not killed) "running" until
+            # that node answers again, holding the CPUs of the other nodes too: without --overlap
+            # the relaunch waits for them ("Requested nodes are busy"). The old ranks are gone.
+            cmd.append("--overlap")
         return cmd + self.extra + list(rank_cmd)
 
 
@@ -253,8 +257,21 @@ def _slurm_unresponsive(nodes):
     return unresponsive_nodes(_sinfo(nodes), nodes)
 
 
-def _slurm_down(node):
-    return node_states(_sinfo([node])).get(node, "").startswith(DOWN_STATES)
+def _slurm_state(node):
+    return node_states(_sinfo([node])).get(node, "")
+
+
+def _left_allocation(node, job_id):
+    """True once Slurm has removed ``node`` from job ``job_id`` (a --no-kill job losing a node)."""
+    if not job_id:
+        return False
+    try:
+        nodelist = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    nodes = _slurm_hosts({"SLURM_JOB_NODELIST": nodelist}) if nodelist else None
+    return nodes is not None and node not in nodes
 
 
 def make_plan(args, environ=None):
@@ -420,13 +437,20 @@ class Supervisor:
             time.sleep(2)
         node = lost[0]
         _say(f"{failed.describe()}; Slurm reports node {node} not responding")
-        # Until Slurm marks the node down (SlurmdTimeout), the old step holds the other nodes and a
-        # new one cannot start ("Requested nodes are busy", then fails as the node is removed).
-        deadline = time.monotonic() + NODE_DOWN_SECONDS
-        if not _slurm_down(node):
-            _say(f"waiting up to {NODE_DOWN_SECONDS} s for Slurm to mark node {node} down before relaunching")
-            while not _slurm_down(node) and time.monotonic() < deadline:
-                time.sleep(2)
+        # Until Slurm marks the node down and takes it out of the allocation (SlurmdTimeout), a new
+        # step cannot start ("Requested nodes are busy", then fails as the node is removed).
+        started = time.monotonic()
+        said = None
+        job_id = self.environ.get("SLURM_JOB_ID")
+        while not (state := _slurm_state(node)).startswith(DOWN_STATES) and not _left_allocation(node, job_id):
+            waited = time.monotonic() - started
+            if waited >= NODE_DOWN_SECONDS:
+                break
+            if said is None or waited - said >= 30:
+                said = waited
+                _say(f"waiting up to {NODE_DOWN_SECONDS - waited:.0f} s more for Slurm to mark node {node} down "
+                     f"or remove it from the job before relaunching (its state: {state or '?'})")
+            time.sleep(2)
         return fail.Failure("node_failure", fail.EXIT_OTHER, True, host=node, step=failed.step, source="slurm")
 
     def _no_restart(self, failed):
