@@ -17,6 +17,7 @@ import json
 import re
 import time
 
+import h5py
 import numpy as np
 import pytest
 
@@ -71,11 +72,9 @@ def test_checkpoint_from_two_nodes_resumes_on_one(slurm_multinode, tmp_path, dig
     never moved ends with the same parameters (1e-5: the sums are taken in another order)."""
     common = ["train.global_batch_size=48", "checkpoint.every_steps=3"]
     moved, still = tmp_path / "moved", tmp_path / "still"
-    first = srun_train(slurm_multinode, 2, 4, train_args(moved, digits, *common, "train.max_steps=6"))
+    srun_train(slurm_multinode, 2, 4, train_args(moved, digits, *common, "train.max_steps=6"))
     (start,) = records(moved, "start")
     assert start["hosts"] == ["n1", "n1", "n2", "n2"], start  # the run directory names every rank's node
-    import h5py
-
     with h5py.File(latest_checkpoint(moved), "r") as f:
         assert f.attrs["slurm_nodelist"] == "n[1-2]", dict(f.attrs)
         assert int(f.attrs["nranks"]) == 4 and f.attrs["hostname"] == "n1", dict(f.attrs)
@@ -89,7 +88,6 @@ def test_checkpoint_from_two_nodes_resumes_on_one(slurm_multinode, tmp_path, dig
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)
-    del first
 
 
 def test_slow_rank_report_names_its_node(slurm_multinode, tmp_path):
