@@ -21,6 +21,11 @@ for a rank killed by a signal, which writes nothing, what mpirun or srun printed
   no culprit: every rank's watchdog fires); on one node at the same size, or one rank fewer
   with ``--shrink``; never on fewer than ``--min-ranks``.
 
+A node Slurm loses inside the allocation (``srun: error: Node failure on n3``, or a node Slurm
+flags as not responding after the launch failed: one cut off from the network leaves the other
+ranks hung, and the watchdog names no culprit) is the cause, whatever the ranks reported: the
+relaunch leaves it out, once Slurm has marked it down or taken it out of the allocation.
+
 With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so
 the sample order and the training (``config.resolve_global_batch``: the per-rank batch or the
 accumulation changes, and it is said); where it cannot, the supervisor relaunches on the
