@@ -9,6 +9,7 @@ kill or cut off the network.
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -201,17 +202,13 @@ class MultiNodeCluster(SlurmCluster):
         pids = self.node_pids(node)
         for pid in pids:
             try:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         return pids
 
     def set_link(self, node, up):
         subprocess.run(["ip", "link", "set", self.veth(node), "up" if up else "down"], check=True, timeout=30)
-
-    def node_state(self, node):
-        proc = self.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], check=False, timeout=30)
-        return proc.stdout.strip()
 
     def heal(self, timeout=180):
         """Every link up, every dead slurmd started again, every node idle: the cluster as a test
