@@ -46,3 +46,23 @@ def slurm_cluster():
     finally:
         cluster.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_multinode():
+    """A real 3-node Slurm cluster on this machine (nodes n1, n2, n3 in network namespaces,
+    sharing the filesystem), started the first time a test asks for it and torn down (daemons,
+    namespaces, bridge) at the end of the session, also when tests fail. Skipped, with the
+    reason, where it cannot be started."""
+    from slurm_cluster import start_or_reason
+
+    directory = tempfile.mkdtemp(prefix="hpctrain-mn-")
+    cluster, reason = start_or_reason(directory, nodes=3)
+    if cluster is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.skip(f"no multi-node Slurm cluster: {reason}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,10 +1,15 @@
-"""A real single-node Slurm cluster for the tests: started with scripts/slurm-cluster.sh
-under a temporary directory, used through the real sbatch/srun/scontrol/scancel, stopped
-afterwards. Every command has a timeout; every wait for a job has a deadline.
+"""A real Slurm cluster for the tests: started with scripts/slurm-cluster.sh under a
+temporary directory, used through the real sbatch/srun/scontrol/scancel, stopped afterwards.
+Every command has a timeout; every wait for a job has a deadline.
+
+One node (:class:`SlurmCluster`) is this machine; several (:class:`MultiNodeCluster`) are
+nodes n1..nN in network namespaces of this machine, sharing its filesystem, which a test can
+kill or cut off the network.
 """
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -36,20 +41,21 @@ def _parse_record(text):
 
 
 class SlurmCluster:
+    nodes = 1
+
     def __init__(self, directory):
         self.directory = Path(directory)
         self.conf = self.directory / "slurm.conf"
+        self.ports = {"SLURM_CTLD_PORT": str(_free_port()), "SLURMD_PORT": str(_free_port())}
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, directory, timeout=420):
+    def start(cls, directory, timeout=420, **options):
         if os.geteuid() != 0:
             raise SlurmUnavailable("needs root to run slurmd (it starts jobs as their owner)")
-        cluster = cls(directory)
-        env = dict(os.environ, SLURM_CTLD_PORT=str(_free_port()), SLURMD_PORT=str(_free_port()))
+        cluster = cls(directory, **options)
         try:
-            proc = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], capture_output=True,
-                                  text=True, timeout=timeout, env=env)
+            proc = cluster._script_start(timeout)
         except subprocess.TimeoutExpired:
             cluster.stop()
             raise SlurmUnavailable(f"{SCRIPT.name} start did not finish in {timeout}s")
@@ -57,6 +63,12 @@ class SlurmCluster:
             cluster.stop()
             raise SlurmUnavailable(f"{SCRIPT.name} start failed: {proc.stderr.strip()[-2000:]}")
         return cluster
+
+    def _script_start(self, timeout):
+        """``slurm-cluster.sh start``: starts what is not running (the same ports each time)."""
+        nodes = ["--nodes", str(self.nodes)] if self.nodes > 1 else []
+        return subprocess.run(["bash", str(SCRIPT), "start", *nodes, str(self.directory)], capture_output=True,
+                              text=True, timeout=timeout, env=dict(os.environ, **self.ports))
 
     def stop(self):
         subprocess.run(["bash", str(SCRIPT), "stop", str(self.directory)], capture_output=True,
@@ -142,18 +154,82 @@ class SlurmCluster:
 
     def log_tail(self, lines=30):
         out = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = self.directory / "log" / name
+        for path in sorted((self.directory / "log").glob("slurm*.log")):
             if path.exists():
-                out.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-lines:]))
+                out.append(f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-lines:]))
         return "\n".join(out)
 
 
-def start_or_reason(directory):
-    """(cluster, None) or (None, why Slurm is unavailable here)."""
+class MultiNodeCluster(SlurmCluster):
+    """Nodes n1..nN, each a network namespace of this machine with its own address, host name
+    and slurmd (``slurm-cluster.sh start --nodes N``); MPI between them goes over their bridge."""
+
+    def __init__(self, directory, nodes=3):
+        super().__init__(directory)
+        self.nodes = nodes
+
+    @property
+    def network(self):
+        """NET_ID, NET_SUBNET, NET_NODES as the script recorded them."""
+        text = (self.directory / "network.env").read_text()
+        return dict(line.split("=", 1) for line in text.split())
+
+    def node_names(self):
+        return [f"n{k}" for k in range(1, self.nodes + 1)]
+
+    def env(self, extra=None):
+        """As for one node, with Open MPI's TCP (ranks and its out-of-band channel) on the bridge's
+        subnet: loopback alone cannot reach another node."""
+        subnet = self.network["NET_SUBNET"]
+        return super().env({"OMPI_MCA_btl_tcp_if_include": subnet, "OMPI_MCA_oob_tcp_if_include": subnet,
+                            **(extra or {})})
+
+    def _netns(self, node):
+        return f"hpn{self.network['NET_ID']}-{node.lstrip('n')}"
+
+    def veth(self, node):
+        """The bridge's end of ``node``'s link: down is a network partition of that node."""
+        return f"hpv{self.network['NET_ID']}-{node.lstrip('n')}"
+
+    def node_pids(self, node):
+        """Every process running on ``node``: its slurmd, job steps and ranks."""
+        proc = subprocess.run(["ip", "netns", "pids", self._netns(node)], capture_output=True, text=True,
+                              timeout=30)
+        return [int(p) for p in proc.stdout.split()]
+
+    def kill_node(self, node):
+        """The node dies: SIGKILL to its slurmd and everything it started. Returns the pids."""
+        pids = self.node_pids(node)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def set_link(self, node, up):
+        subprocess.run(["ip", "link", "set", self.veth(node), "up" if up else "down"], check=True, timeout=30)
+
+    def heal(self, timeout=180):
+        """Every link up, every dead slurmd started again, every node idle: the cluster as a test
+        that killed or cut off a node found it."""
+        for node in self.node_names():
+            self.set_link(node, True)
+        proc = self._script_start(timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"{SCRIPT.name} could not bring the nodes back:\n{proc.stderr[-3000:]}")
+
+
+def start_or_reason(directory, nodes=1):
+    """(cluster, None) or (None, why Slurm is unavailable here). ``nodes`` > 1: a
+    :class:`MultiNodeCluster`."""
     if not shutil.which("bash"):
         return None, "bash not found"
     try:
+        if nodes > 1:
+            if not (shutil.which("ip") and shutil.which("nsenter") and shutil.which("unshare")):
+                return None, "ip, nsenter and unshare are needed for a multi-node cluster"
+            return MultiNodeCluster.start(directory, nodes=nodes), None
         return SlurmCluster.start(directory), None
     except SlurmUnavailable as exc:
         return None, str(exc)

@@ -66,6 +66,24 @@ def test_tasks_srun_killed_after_a_failure_are_not_the_cause():
     assert (f.cause, f.rank, f.host, f.status, f.source) == ("failure", 1, "node01", 1, "srun")
 
 
+# A node lost inside an allocation with --no-kill (its slurmd killed, or cut off): the ranks
+# elsewhere hang in a collective until the watchdog ends them, then srun names the node.
+SRUN_NODE_LOST = """srun: error: n1: task 0: Exited with exit code 4
+srun: launch/slurm: _step_signal: Terminating StepId=1.0
+srun: error: n2: task 1: Killed
+srun: error: Node failure on n3
+"""
+
+
+def test_a_node_slurm_lost_is_the_cause_before_the_hang_it_caused():
+    assert failure.launcher_events(SRUN_NODE_LOST)[-1] == {
+        "rank": None, "host": "n3", "signal": None, "status": None, "source": "srun", "node_failure": True}
+    records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    f = failure.diagnose(1, records, failure.launcher_events(SRUN_NODE_LOST))
+    assert (f.cause, f.host, f.rank, f.restartable, f.source) == ("node_failure", "n3", None, True, "srun")
+    assert f.describe() == "node n3 failed (Slurm lost contact with it)"
+
+
 @pytest.mark.parametrize("status,cause,restartable", [(2, "bad_input", False), (5, "diverged", False),
                                                       (3, "stopped", False), (1, "exception", True)])
 def test_the_first_own_record_decides(status, cause, restartable):
@@ -153,13 +171,61 @@ def test_srun_leaves_the_failed_node_out_and_resumes(tmp_path):
     first, second = sup.commands
     assert first[:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "6"] and "--exclude" not in " ".join(first)
     assert second[:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "4", "--exclude=n2", "-N", "2"]
-    assert second[8:] == ["--cpu-bind=cores", "py", "-m", "hpctrain", "train", "job.toml", "train.lr=0.1",
+    assert second[8:] == ["--overlap", "--cpu-bind=cores", "py", "-m", "hpctrain", "train", "job.toml", "train.lr=0.1",
                           f"run.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto"]
     (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert (rec["kind"], rec["cause"], rec["rank"], rec["host"], rec["ranks_before"], rec["ranks_after"]) == \
         ("restart", "signal", 3, "n2", 6, 4)
     assert (rec["failed_step"], rec["resume_step"], rec["steps_lost"], rec["excluded"]) == (13, 10, 3, ["n2"])
     assert rec["changes"] == ["global batch 48 kept: 12 per rank x 4 ranks x 1"]
+
+
+def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):
+    records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    lost = Attempt(1, SRUN_NODE_LOST, records, [start(["n1", "n2", "n3"])], 1.0)
+    sup = Scripted(p, [lost, Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    assert sup.commands[1][:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--exclude=n3", "-N", "2"]
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (rec["cause"], rec["host"], rec["excluded"], rec["ranks_after"]) == ("node_failure", "n3", ["n3"], 2)
+
+
+def test_unresponsive_nodes_from_sinfo():
+    text = "n1 mix\nn2 mix*\nn3 idle\nn4 down*\nn5 drng\nn6 alloc\n"
+    assert supervisor.unresponsive_nodes(text, ["n6", "n5", "n4", "n3", "n2", "n1"]) == ["n5", "n4", "n2"]
+    assert supervisor.unresponsive_nodes("", ["n1"]) == []
+    assert supervisor.node_states(text)["n4"] == "down*"
+
+
+def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tmp_path, monkeypatch):
+    # a network partition: every rank hung alike, srun names no node, Slurm's node state does
+    asked = []
+    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: asked.append(nodes) or ["n2"])
+    down = iter(["mix*", "mix*", "down*"])  # flagged first, marked down two polls later
+    monkeypatch.setattr(supervisor, "_slurm_state", lambda node: next(down))
+    monkeypatch.setattr(supervisor, "_left_allocation", lambda node, job: False)
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    text = ("MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\nwith errorcode 4.\n"
+            "srun: error: n1: task 0: Killed\nsrun: error: n3: task 2: Exited with exit code 4\n"
+            "srun: error: Timed out waiting for job step to complete\n")
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    sup = Scripted(p, [Attempt(4, text, records, [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and asked == [["n1", "n2", "n3"]] and list(down) == []  # waited for "down"
+    assert sup.commands[1][:8] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--exclude=n2", "-N", "2"]
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (rec["cause"], rec["host"], rec["source"], rec["failed_step"]) == ("node_failure", "n2", "slurm", 9)
+
+
+def test_a_hang_with_every_node_responding_relaunches_on_the_same_nodes(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor, "NODE_CHECK_SECONDS", 0)
+    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: [])
+    records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    sup = Scripted(p, [Attempt(4, "", records, [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and sup.commands[1][:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "3"]
+    assert "--exclude" not in " ".join(sup.commands[1])
 
 
 def test_mpirun_on_several_hosts_gets_a_host_list_without_the_failed_one(tmp_path):

@@ -83,6 +83,8 @@ _OMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?) exite
 _OMPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*\n\s*Exit code:\s*(\d+)")
 _OMPI_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with errorcode (\d+)")
 _SRUN_TASK = re.compile(r"srun: error: (\S+?): tasks? ([\d,\-]+): (Killed|Exited with exit code (\d+)|.+)")
+# Slurm lost the node (its slurmd died or stopped answering); with --no-kill the job goes on without it.
+_SRUN_NODE_FAIL = re.compile(r"srun: error: Node failure on (\S+)")
 _SIGNAL_NAMES = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7}
 
 
@@ -118,6 +120,9 @@ def launcher_events(text):
         for rank in _task_ranks(m.group(2)):
             found.append((m.start(), {"rank": rank, "host": m.group(1), "signal": sig, "status": status,
                                       "source": "srun"}))
+    for m in _SRUN_NODE_FAIL.finditer(text):
+        found.append((m.start(), {"rank": None, "host": m.group(1), "signal": None, "status": None,
+                                  "source": "srun", "node_failure": True}))
     return [event for _, event in sorted(found, key=lambda pair: pair[0])]
 
 
@@ -126,7 +131,8 @@ def launcher_events(text):
 class Failure:
     """Why one launch of the job did not succeed, and whether a relaunch can help."""
 
-    cause: str  # "signal", "exception", "hang", "exit", "bad_input", "diverged", "stopped", "failure"
+    cause: str  # "signal", "exception", "hang", "exit", "bad_input", "diverged", "stopped", "failure",
+    #             "node_failure"
     status: int  # the job's exit status as the supervisor passes it on
     restartable: bool
     rank: Optional[int] = None
@@ -145,6 +151,8 @@ class Failure:
             except ValueError:
                 name = "?"
             return f"{who} was killed by signal {self.signal} ({name})"
+        if self.cause == "node_failure":
+            return f"node {self.host} failed (Slurm lost contact with it)"
         if self.cause == "hang":
             return f"{who} hung{'' if self.step is None else f' in step {self.step}'} and the watchdog ended the job"
         what = {"bad_input": "stopped on bad input", "diverged": "diverged (non-finite training)",
@@ -169,12 +177,18 @@ def _by_status(status):
 def diagnose(returncode, records=(), events=(), hosts=None):
     """One :class:`Failure` from the launcher's exit status, the ranks' records of this launch
     and the launcher's events (pure). When the first thing the launcher reports is a rank
-    killed by a signal, that is the cause (the others' records describe the consequences);
+    killed by a signal, that is the cause (the others' records describe the consequences); a
+    node that srun reports lost (``Node failure on n3``) comes before all of that;
     else the first record of a rank that failed itself (not a ``RemoteError``: that names
     another rank's failure); else what the launcher said; else the exit status. Never
     restartable: bad input (2, the same error would repeat), a requested stop (3, the job
     script requeues) and divergence (5)."""
     events = list(events)
+    # A node Slurm lost explains what the ranks did (a hang or an error in a collective with its
+    # ranks): it is the cause, and the node to leave out.
+    lost = [e for e in events if e.get("node_failure")]
+    if lost:
+        return Failure("node_failure", EXIT_OTHER, True, host=lost[0]["host"], source=lost[0]["source"])
     if events and events[0].get("signal"):
         e = events[0]
         return Failure("signal", EXIT_OTHER, True, e["rank"], e["host"] or _host(e["rank"], hosts),

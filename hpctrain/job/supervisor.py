@@ -21,6 +21,11 @@ for a rank killed by a signal, which writes nothing, what mpirun or srun printed
   no culprit: every rank's watchdog fires); on one node at the same size, or one rank fewer
   with ``--shrink``; never on fewer than ``--min-ranks``.
 
+A node Slurm loses inside the allocation (``srun: error: Node failure on n3``, or a node Slurm
+flags as not responding after the launch failed: one cut off from the network leaves the other
+ranks hung, and the watchdog names no culprit) is the cause, whatever the ranks reported: the
+relaunch leaves it out, once Slurm has marked it down or taken it out of the allocation.
+
 With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so
 the sample order and the training (``config.resolve_global_batch``: the per-rank batch or the
 accumulation changes, and it is said); where it cannot, the supervisor relaunches on the
@@ -52,6 +57,11 @@ PREFIX = "hpctrain launch"
 FAILURE_FILE = "failures.jsonl"
 METRICS_FILE = "metrics.jsonl"  # as monitoring.runlog writes it (not imported: that pulls numpy)
 TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
+# After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering
+# (cut off from the network: its ranks hang like the others and srun names no node).
+NODE_CHECK_SECONDS = 30
+# ... and, once it is flagged, for Slurm to mark it down (after its SlurmdTimeout, 300 s by default).
+NODE_DOWN_SECONDS = 600
 
 
 def _say(text):
@@ -92,6 +102,10 @@ class Srun:
             cmd += [f"--exclude={','.join(excluded)}"]
             if hosts:
                 cmd += ["-N", str(len(hosts))]
+            # Slurm keeps a step that ran on a node it lost cut off (not killed) "running" until
+            # that node answers again, holding the CPUs of the other nodes too: without --overlap
+            # the relaunch waits for them ("Requested nodes are busy"). The old ranks are gone.
+            cmd.append("--overlap")
         return cmd + self.extra + list(rank_cmd)
 
 
@@ -222,6 +236,56 @@ def _slurm_hosts(environ):
     return out or None
 
 
+DOWN_STATES = ("down", "drain", "drng", "fail")
+
+
+def node_states(sinfo_text):
+    """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); a ``*`` after the state: the
+    node does not answer Slurm."""
+    states = {}
+    for line in sinfo_text.splitlines():
+        name, _, state = line.strip().partition(" ")
+        if name:
+            states[name] = state.strip()
+    return states
+
+
+def unresponsive_nodes(sinfo_text, nodes):
+    """The nodes of ``nodes`` that ``sinfo -h -N -o "%N %t"`` shows down, failing, drained or not
+    responding, in ``nodes``' order (pure)."""
+    states = node_states(sinfo_text)
+    return [n for n in nodes if n in states and (states[n].endswith("*") or states[n].startswith(DOWN_STATES))]
+
+
+def _sinfo(nodes):
+    try:
+        return subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _slurm_unresponsive(nodes):
+    return unresponsive_nodes(_sinfo(nodes), nodes)
+
+
+def _slurm_state(node):
+    return node_states(_sinfo([node])).get(node, "")
+
+
+def _left_allocation(node, job_id):
+    """True once Slurm has removed ``node`` from job ``job_id`` (a --no-kill job losing a node)."""
+    if not job_id:
+        return False
+    try:
+        nodelist = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    nodes = _slurm_hosts({"SLURM_JOB_NODELIST": nodelist}) if nodelist else None
+    return nodes is not None and node not in nodes
+
+
 def make_plan(args, environ=None):
     """Everything a launch needs, checked before anything starts (ConfigError on bad input)."""
     from ..config import load_config, resolve_global_batch
@@ -345,6 +409,8 @@ class Supervisor:
                 return 0
             hosts = _job_hosts(attempt.metrics)
             failed = fail.diagnose(attempt.returncode, attempt.records, fail.launcher_events(attempt.tail), hosts)
+            if failed.restartable and failed.cause != "node_failure" and self.stop_signal is None:
+                failed = self._lost_node(failed, hosts)
             if self.stop_signal is not None:
                 status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
                 _say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; "
@@ -367,6 +433,43 @@ class Supervisor:
             ranks = after
 
     # -- decisions
+    def _lost_node(self, failed, hosts):
+        """``failed``, or a node failure when Slurm says one of the launch's nodes stopped answering.
+        A node cut off from the network leaves every rank hung alike (the watchdog names no culprit)
+        or failing in a collective with it, and srun may not name it: Slurm's node states do, after
+        a while, so a hang waits up to NODE_CHECK_SECONDS for them."""
+        p = self.plan
+        if not isinstance(p.launcher, Srun):
+            return failed
+        spread = sorted(set(hosts)) if hosts else [h for h in (p.hosts or {}) if h not in p.excluded]
+        if len(spread) < 2:
+            return failed
+        deadline = time.monotonic() + (NODE_CHECK_SECONDS if failed.cause == "hang" else 0)
+        while True:
+            lost = _slurm_unresponsive(spread)
+            if lost:
+                break
+            if time.monotonic() >= deadline:
+                return failed
+            time.sleep(2)
+        node = lost[0]
+        _say(f"{failed.describe()}; Slurm reports node {node} not responding")
+        # Until Slurm marks the node down and takes it out of the allocation (SlurmdTimeout), a new
+        # step cannot start ("Requested nodes are busy", then fails as the node is removed).
+        started = time.monotonic()
+        said = None
+        job_id = self.environ.get("SLURM_JOB_ID")
+        while not (state := _slurm_state(node)).startswith(DOWN_STATES) and not _left_allocation(node, job_id):
+            waited = time.monotonic() - started
+            if waited >= NODE_DOWN_SECONDS:
+                break
+            if said is None or waited - said >= 30:
+                said = waited
+                _say(f"waiting up to {NODE_DOWN_SECONDS - waited:.0f} s more for Slurm to mark node {node} down "
+                     f"or remove it from the job before relaunching (its state: {state or '?'})")
+            time.sleep(2)
+        return fail.Failure("node_failure", fail.EXIT_OTHER, True, host=node, step=failed.step, source="slurm")
+
     def _no_restart(self, failed):
         why = {"bad_input": "a configuration or data error: the same error would repeat. Fix it (see the HINT above) "
                             "and launch again",

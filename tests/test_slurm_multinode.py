@@ -1,0 +1,177 @@
+"""hpctrain on a real multi-node Slurm cluster: nodes n1, n2, n3 are network namespaces of this
+machine (own address, own host name, one slurmd each, the filesystem shared), started by the
+``slurm_multinode`` fixture (scripts/slurm-cluster.sh start --nodes 3). MPI talks TCP between
+the nodes over their bridge.
+
+* placement: ``srun -N2 -n4 --mpi=pmix``: each rank's node name and local rank, the node list
+  in the run directory;
+* a checkpoint written collectively from 2 nodes resumes on 1 node and trains on as a run that
+  never moved;
+* a node killed (its slurmd and its job processes) inside slurm/resilient.sbatch on 3 nodes: the
+  supervisor relaunches without it, the job finishes without a requeue, the restart names it;
+* a network partition (the node's link down): the hang ends, the node is left out, the run
+  finishes on the others;
+* the slow-rank report names the node of the slowed rank.
+"""
+import json
+import re
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from checkpoint_files import tensors
+from mpi_harness import PYTHON, ROOT
+from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEP_TIMEOUT = 120  # one srun step
+JOB_TIMEOUT = 300  # one resilient job, failure and relaunch included
+
+# HPCTRAIN_VENV stand-in for slurm/resilient.sbatch: the ranks (`-m hpctrain train`) run
+# tests/mpi/supervised_rank.py (SUPERVISED_STEP_SLEEP: a run long enough to break a node in);
+# the supervisor runs the plain python.
+VENV_PYTHON = f"""#!/bin/bash
+if [ "$1 $2 $3" = "-m hpctrain train" ]; then exec {PYTHON} {ROOT}/tests/mpi/supervised_rank.py "$@"; fi
+exec {PYTHON} "$@"
+"""
+
+
+def records(run_dir, kind):
+    path = run_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+def train_args(run_dir, digits, *extra):
+    return [f"run.run_dir={run_dir}", f"data.path={digits}", "data.val=none", "monitor.progress=log",
+            "monitor.log_every=1", *extra]
+
+
+def srun_train(cluster, nodes, ranks, args, timeout=STEP_TIMEOUT):
+    """``srun -N NODES -n RANKS --mpi=pmix python -m hpctrain train examples/digits.toml ARGS``."""
+    return cluster.run(["srun", f"-N{nodes}", f"-n{ranks}", "--mpi=pmix", "--kill-on-bad-exit=1",
+                        PYTHON, "-m", "hpctrain", "train", "examples/digits.toml", *args], timeout=timeout)
+
+
+# ---------------------------------------------------------------- placement and checkpoints
+def test_ranks_know_their_node_and_local_rank(slurm_multinode, tmp_path):
+    out = tmp_path / "placement.json"
+    slurm_multinode.run(["srun", "-N2", "-n4", "--mpi=pmix", PYTHON, "tests/mpi/multinode_placement.py", out],
+                        timeout=STEP_TIMEOUT)
+    said = sorted(json.loads(out.read_text()), key=lambda r: r["rank"])
+    assert [(r["rank"], r["node"], r["local_rank"], r["local_size"]) for r in said] == [
+        (0, "n1", 0, 2), (1, "n1", 1, 2), (2, "n2", 0, 2), (3, "n2", 1, 2)], said
+    assert all(r["size"] == 4 and r["launcher"] == "srun" and r["hostname"] == r["node"] for r in said), said
+
+
+def test_checkpoint_from_two_nodes_resumes_on_one(slurm_multinode, tmp_path, digits):
+    """4 ranks on n1+n2 (Horovod) save collectively at step 6 and stop; 2 ranks on one node
+    resume and train to step 12 with the same global batch; a run of 12 steps on 2 nodes that
+    never moved ends with the same parameters (1e-5: the sums are taken in another order)."""
+    common = ["train.global_batch_size=48", "checkpoint.every_steps=3"]
+    moved, still = tmp_path / "moved", tmp_path / "still"
+    srun_train(slurm_multinode, 2, 4, train_args(moved, digits, *common, "train.max_steps=6"))
+    (start,) = records(moved, "start")
+    assert start["hosts"] == ["n1", "n1", "n2", "n2"], start  # the run directory names every rank's node
+    with h5py.File(latest_checkpoint(moved), "r") as f:
+        assert f.attrs["slurm_nodelist"] == "n[1-2]", dict(f.attrs)
+        assert int(f.attrs["nranks"]) == 4 and f.attrs["hostname"] == "n1", dict(f.attrs)
+    second = srun_train(slurm_multinode, 1, 2, train_args(moved, digits, *common, "train.max_steps=12",
+                                                           "checkpoint.resume=auto"))
+    assert "resumed from" in second.stdout + second.stderr, second.stderr[-3000:]
+    assert [r["hosts"] for r in records(moved, "start")][-1] in (["n1", "n1"], ["n2", "n2"], ["n3", "n3"])
+    srun_train(slurm_multinode, 2, 4, train_args(still, digits, *common, "train.max_steps=12"))
+    got, want = tensors(latest_checkpoint(moved)), tensors(latest_checkpoint(still))
+    assert latest_checkpoint(moved).name == latest_checkpoint(still).name == "ckpt-00000012.h5"
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_slow_rank_report_names_its_node(slurm_multinode, tmp_path):
+    """One rank per node; the rank on n3 reads its batches slowly (monitor_loop's --slow-rank):
+    the report and ``hpctrain report`` name n3."""
+    slurm_multinode.run(["srun", "-N3", "-n3", "--mpi=pmix", PYTHON, "tests/mpi/monitor_loop.py", tmp_path,
+                         "--steps", "30", "--slow-rank", "2"], timeout=STEP_TIMEOUT)
+    (slow,) = records(tmp_path, "slow_rank")
+    assert (slow["rank"], slow["host"]) == (2, "n3"), slow
+    assert slow["exclude"] == "#SBATCH --exclude=n3", slow
+    report = slurm_multinode.run([PYTHON, "-m", "hpctrain", "report", tmp_path], timeout=120)
+    assert "n3" in report.stdout, report.stdout
+
+
+# ---------------------------------------------------------------- a node lost inside resilient.sbatch
+def submit_resilient(cluster, tmp_path, digits, steps, *extra):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(VENV_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    env = cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_VENV": str(venv),
+                       "SUPERVISED_STEP_SLEEP": "0.3"})
+    args = ["examples/digits.toml", f"data.path={digits}", "data.val=none", f"train.max_steps={steps}",
+            "checkpoint.every_steps=4", "train.global_batch_size=48", "monitor.log_every=1", "monitor.progress=log",
+            "comm.backend=mpi", *extra]
+    return cluster.sbatch(ROOT / "slurm" / "resilient.sbatch", *args, env=env,
+                          options=["--nodes=3", "--ntasks-per-node=1", f"--output={tmp_path}/%x-%j.out"])
+
+
+def wait_for_step(cluster, tmp_path, job, step):
+    def reached():
+        try:
+            return f"step {step}/" in output_of(tmp_path, job)
+        except ValueError:  # no output file yet
+            return False
+    cluster.wait_for(reached, JOB_TIMEOUT, f"job {job} to reach step {step}", poll=0.2)
+
+
+def assert_finished_without(cluster, tmp_path, job, steps, node):
+    """The job completed in its first start, relaunched once without ``node``, on 2 ranks."""
+    (record,) = cluster.wait(job, JOB_TIMEOUT)
+    out = output_of(tmp_path, job)
+    print(out[-5000:])
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out[-5000:]}"
+    assert record["Restarts"] == "0", record  # relaunched inside the allocation, never requeued
+    assert re.search(rf"relaunching 2 rank\(s\): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 --exclude={node} -N 2 --overlap",
+                     out), out[-5000:]
+    assert "done after 1 restart(s)" in out, out[-5000:]
+    run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
+    (restart,) = records(run_dir, "restart")
+    assert restart["host"] == node and restart["excluded"] == [node], restart
+    assert (restart["ranks_before"], restart["ranks_after"]) == (3, 2), restart
+    last_start = records(run_dir, "start")[-1]
+    assert sorted(last_start["hosts"]) == sorted(set(cluster.node_names()) - {node}), last_start
+    final = latest_checkpoint(run_dir)
+    assert final.name == f"ckpt-{steps:08d}.h5"
+    check = ckpt_verify(final)
+    assert check.returncode == 0, check.stdout + check.stderr
+    report = cluster.run([PYTHON, "-m", "hpctrain", "report", run_dir], timeout=120)
+    assert node in report.stdout and "restart" in report.stdout, report.stdout
+    return restart
+
+
+def test_dead_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, digits):
+    steps = 30
+    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
+    wait_for_step(slurm_multinode, tmp_path, job, 9)
+    try:
+        killed = slurm_multinode.kill_node("n3")
+        assert killed, "no process ran on n3"
+        restart = assert_finished_without(slurm_multinode, tmp_path, job, steps, "n3")
+        print(restart)
+    finally:
+        slurm_multinode.heal()
+
+
+def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, digits):
+    steps = 30
+    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
+    wait_for_step(slurm_multinode, tmp_path, job, 9)
+    try:
+        slurm_multinode.set_link("n2", False)
+        started = time.monotonic()
+        restart = assert_finished_without(slurm_multinode, tmp_path, job, steps, "n2")
+        print(f"partition to the end of the job: {time.monotonic() - started:.0f} s", restart)
+    finally:
+        slurm_multinode.heal()
