@@ -128,6 +128,7 @@ class LoopConfig:
     max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
     max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
     rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
+    clip_grad_norm: float = 0.0  # clip the averaged gradients to this global L2 norm; 0: off
 
 
 @dataclass
@@ -137,6 +138,9 @@ class CommConfig:
     backend: str = "horovod"  # or "mpi"; HPCTRAIN_BACKEND overrides the file
     compression: str = "none"  # or "fp16"
     gradient_predivide_factor: float = 1.0  # divide before the sum, the rest after (fp16 range)
+    # "optimizer" (ZeRO stage 1): each rank keeps and updates 1/N of the optimizer state;
+    # "gradients" (stage 2): also only 1/N of the gradients after the reduce-scatter. docs/sharding.md
+    shard: str = "none"
 
 
 @dataclass
@@ -462,6 +466,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
         raise ConfigError(f"train.rollback_lr_factor = {t.rollback_lr_factor!r} must be in (0, 1] (the learning "
                           f"rate is multiplied by it at each rollback)",
                           hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
+    _check_shard(c, t)
     if t.global_batch_size:
         t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, world_size, t.accumulation)
         if note:  # what was changed, for rank 0 to say (not a field: never written to config.toml)
@@ -502,3 +507,22 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
         raise ConfigError(f"run.name = {cfg.run.name!r} must be a non-empty name without {os.sep!r}",
                           hint='e.g. run.name = "digits"')
     return cfg
+
+
+SHARD_MODES = ("none", "optimizer", "gradients")
+
+
+def _check_shard(c, t):
+    """``comm.shard`` and ``train.clip_grad_norm``: the choices, and what sharding cannot do."""
+    if c.shard not in SHARD_MODES:
+        close = _closest(c.shard, SHARD_MODES)
+        raise ConfigError(f"comm.shard = {c.shard!r} is not one of {', '.join(SHARD_MODES)}",
+                          hint=f"did you mean comm.shard = {close!r}?" if close else
+                          'comm.shard = "optimizer" (ZeRO stage 1), "gradients" (stage 2) or "none"')
+    if t.clip_grad_norm < 0:
+        raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
+                          hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")
+    if c.shard != "none" and t.precision == "fp16":
+        raise ConfigError(f"comm.shard = {c.shard!r} does not support train.precision = \"fp16\" (its GradScaler "
+                          f"steps the whole optimizer, not one rank's shard)",
+                          hint='use train.precision = "bf16", or comm.shard = "none" with fp16')

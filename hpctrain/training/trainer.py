@@ -179,7 +179,13 @@ class Trainer:
         model = self.model if self.model is not None else build_model(cfg.model)
         model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
-        optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
+        if cfg.comm.shard != "none":  # each rank updates its slice (hpctrain.sharding)
+            from ..sharding import ShardedOptimizer
+
+            optimizer = all_or_none(lambda: ShardedOptimizer(_make_optimizer(model, t, base_lr), model, backend,
+                                                             cfg.comm.shard), comm)
+        else:
+            optimizer = backend.distributed_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler)
 
@@ -189,7 +195,10 @@ class Trainer:
         with watching("resume from a checkpoint"):
             if checkpoints is not None and checkpoints.resume(state):
                 sampler.seed = state.progress.seed  # the data order of the run being resumed
-            backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
+            if getattr(optimizer, "sharded", False):
+                optimizer.broadcast_parameters()  # each rank keeps its own optimizer slice
+            else:
+                backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
 
         total_steps = sampler.steps_per_epoch * t.epochs
         if t.max_steps:
@@ -305,16 +314,20 @@ class Trainer:
                 scaled = loss / len(micro_batches)
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += float(loss.detach())
+        sharded = getattr(optimizer, "sharded", False)  # comm.shard: the verdict and norm need the other slices
         with timer.phase("allreduce_wait"):
-            backend.synchronize(optimizer)
+            optimizer.synchronize() if sharded else backend.synchronize(optimizer)
         with timer.phase("optimizer"):
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
             bad = None  # the first parameter whose gradient is not finite
-            if scaler is None and not nonfinite.grads_finite(optimizer):
-                bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
+            if scaler is None and not (optimizer.grads_finite() if sharded else nonfinite.grads_finite(optimizer)):
+                # the slow search, on this path only
+                bad = optimizer.first_nonfinite() if sharded else nonfinite.first_nonfinite(model)
             else:
-                backend.step(optimizer, scaler)
+                if run.cfg.train.clip_grad_norm:
+                    _clip(optimizer, model, scaler, run.cfg.train.clip_grad_norm)
+                optimizer.step() if sharded else backend.step(optimizer, scaler)
             optimizer.zero_grad()
         return total / len(micro_batches), bad
 
@@ -436,6 +449,18 @@ def _make_optimizer(model, t, lr):
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+
+
+def _clip(optimizer, model, scaler, max_norm):
+    """``train.clip_grad_norm``: the global norm of the averaged gradients (over the slices
+    of every rank when sharded)."""
+    import torch
+
+    if getattr(optimizer, "sharded", False):
+        return optimizer.clip_grad_norm(max_norm)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
 
 
 def _set_lr(optimizer, base_lr, warmup_steps, step):
