@@ -88,6 +88,9 @@ def check_supported(optimizer, model):
         raise ConfigError(f"comm.shard supports SGD, Adam and AdamW (elementwise updates), not "
                           f"{type(optimizer).__name__}", hint="use train.optimizer sgd, adam or adamw, or comm.shard=none")
     params = optimizer.param_groups[0]["params"]
+    if any(p.dim() == 0 for p in params):
+        raise ConfigError("comm.shard does not handle 0-dimensional parameters (a slice boundary needs rows)",
+                          hint="make them 1-element tensors (shape (1,)), or use comm.shard=none")
     kinds = {(p.dtype, p.device) for p in params}
     if len(kinds) != 1 or next(iter(kinds))[0] != torch.float32:
         raise ConfigError(f"comm.shard needs every parameter in float32 on one device; found {sorted(map(str, kinds))}",
