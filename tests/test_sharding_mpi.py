@@ -131,3 +131,24 @@ def test_bad_shard_settings_fail_on_every_rank():
     lines = re.findall(r"^rank (\d): ConfigError: (.*)$", result.stdout, re.M)
     assert sorted(r for r, _ in lines) == ["0", "1"], result.output[-3000:]
     assert all("comm.shard = 'zero3' is not one of none, optimizer, gradients" in m for _, m in lines)
+
+
+def test_nonfinite_verdict_is_shared_by_every_slice_and_rollback_reloads_the_slices(tmp_path):
+    """The last rank's NaN loss at step 5 poisons every slice's averaged gradients: every rank
+    agrees (one all-reduced flag), names the first tensor, rolls back to step 4's checkpoint
+    (each rank re-reading its slice) and finishes with identical parameters."""
+    import json
+
+    args = [SCRIPTS / "nonfinite_train.py", tmp_path, "--bad", "5", "--checkpoints", "train.on_nonfinite=rollback",
+            "comm.shard=gradients", "train.optimizer=adamw", "train.lr=0.01"]
+    result = mpirun(2, args, timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-4000:]
+    info = json.loads((tmp_path / "result.json").read_text())
+    assert info["result"]["steps"] == 12
+    assert info["extra"] == {"nonfinite_rollbacks": 1, "lr_factor": 0.5}
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for rank in ranks:
+        assert list(rank["steps"]) == list(range(1, 13))
+        assert np.isfinite(rank["params"]).all()
+    assert ranks[0]["params"].tobytes() == ranks[1]["params"].tobytes()
+    assert re.search(r"step 5: non-finite gradients \(first: \S*weight \(NaN\)", result.output), result.output[-3000:]
