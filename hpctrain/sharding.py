@@ -201,7 +201,8 @@ class ShardedOptimizer:
 
         names = {id(p): n for n, p in self.model.named_parameters()}
         lo, hi = self.bounds[self.rank]
-        found = None
+        # Always a (index, name) tuple: hvd.allgather_object names its collective after the type.
+        found = (len(self.params), "")
         grad = self.shard.grad
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
@@ -210,7 +211,7 @@ class ShardedOptimizer:
                 if not bool(torch.isfinite(part).all()):
                     found = (i, f"{names.get(id(p), f'param{i}')} ({'NaN' if bool(torch.isnan(part).any()) else 'inf'})")
                     break
-        candidates = [f for f in self.backend.allgather_object(found) if f is not None]
+        candidates = [f for f in self.backend.allgather_object(found) if f[1]]
         return min(candidates)[1] if candidates else "none: every element is finite, but their norm overflows"
 
     def clip_grad_norm(self, max_norm):

@@ -152,3 +152,20 @@ def test_nonfinite_verdict_is_shared_by_every_slice_and_rollback_reloads_the_sli
         assert np.isfinite(rank["params"]).all()
     assert ranks[0]["params"].tobytes() == ranks[1]["params"].tobytes()
     assert re.search(r"step 5: non-finite gradients \(first: \S*weight \(NaN\)", result.output), result.output[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["horovod", "mpi"])
+def test_nonfinite_in_one_slice_only_is_skipped_by_every_rank(tmp_path, backend):
+    if backend == "horovod" and not _have_horovod():
+        pytest.skip("Horovod is not installed (make setup)")
+    result = mpirun(2, [SCRIPTS / "sharding_nonfinite.py", tmp_path, "comm.shard=optimizer",
+                        f"comm.backend={backend}"], timeout=TIMEOUT)
+    assert result.returncode == 0, result.output[-4000:]
+    assert re.search(r"step 5: non-finite gradients \(first: 5\.bias \(NaN\)", result.output), result.output[-3000:]
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for rank in ranks:
+        assert list(rank["steps"]) == list(range(1, 9))
+        params = dict(zip(rank["steps"], rank["params"]))
+        assert params[5].tobytes() == params[4].tobytes()  # step 5 not applied, on either rank
+        assert params[6].tobytes() != params[5].tobytes()
+    assert ranks[0]["params"].tobytes() == ranks[1]["params"].tobytes()
