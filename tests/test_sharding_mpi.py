@@ -69,10 +69,10 @@ def _tensors(path):
 
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_on_any_rank_count_with_or_without_sharding(tmp_path):
-    # 4 ranks sharded, checkpoints at steps 5 and 10
+    # 4 ranks sharded, checkpoints at steps 5 and 10, written in the background
     u = tmp_path / "u"
-    mpirun(4, [TRAIN, u, "comm.shard=optimizer", "checkpoint.every_steps=5", "checkpoint.keep_last=0", *ADAMW],
-           timeout=TIMEOUT).check()
+    mpirun(4, [TRAIN, u, "comm.shard=optimizer", "checkpoint.every_steps=5", "checkpoint.keep_last=0",
+               "checkpoint.async_save=true", *ADAMW], timeout=TIMEOUT).check()
     at5, at10 = u / "checkpoints" / "ckpt-00000005.h5", u / "checkpoints" / "ckpt-00000010.h5"
     # the same rank count and mode, resumed at step 5: bit for bit where the run went on
     a = tmp_path / "a"
@@ -80,6 +80,8 @@ def test_sharded_checkpoints_resume_on_any_rank_count_with_or_without_sharding(t
     for pa, pu in zip(_params(a, 4), _params(u, 4)):
         for x, y in zip(pa, pu):
             np.testing.assert_array_equal(x, y)
+    # ... and its final checkpoint, saved in the foreground, holds the same bytes as the background one
+    assert _content(a / "checkpoints" / "ckpt-00000010.h5") == _content(at10)
     # replicated on 2 ranks (mpi backend), resumed from the sharded file: the same within
     # float tolerance (a different order of the sums), and its file holds the same tensors
     b = tmp_path / "b"
@@ -100,6 +102,18 @@ def test_sharded_checkpoints_resume_on_any_rank_count_with_or_without_sharding(t
     assert _content(tmp_path / "one.h5") == sharded_content
     assert _content(tmp_path / "two.h5") == sharded_content
     assert _content(tmp_path / "four.h5") == replicated_content
+    # hpctrain ckpt export gives the plain state dict of the sharded run's model
+    import subprocess
+    import sys
+
+    import torch
+
+    subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "export", str(at10), "--to", str(tmp_path / "sd.pt")],
+                   check=True, timeout=120, cwd=ROOT, capture_output=True)
+    exported = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert sorted(f"model/{k}" for k in exported) == sorted(k for k in tu if k.startswith("model/"))
+    for key, tensor in exported.items():
+        np.testing.assert_array_equal(tensor.numpy(), tu[f"model/{key}"])
 
 
 @pytest.mark.slow
