@@ -132,6 +132,48 @@ def measure(mode, hidden, world, args):
     return row, dist
 
 
+def section(docs, verdicts):
+    """The report's table of the ``zero_memory-*`` launches (``benchmarks/report.py``), and the
+    targets: optimizer sharding costs <= 10% step time; the optimizer state per rank is 1/N."""
+    names = sorted(k for k in docs if k.startswith("zero_memory-"))
+    if not names:
+        return []
+    lines = ["", "## comm.shard: bytes held per rank and step time (docs/sharding.md)", "",
+             "Held: parameters + gradients + optimizer state counted from the tensors a rank holds after a step; "
+             "x16B: that over 16 bytes/parameter (replicated AdamW). Peak RSS: above the level before the model "
+             "was built. Step: median, slowest rank; vs none: over the `none` launch of the same ranks and width.",
+             "", "| launch | ranks | width | params | held MiB/rank | x16B | state MiB/rank | peak RSS MiB | step ms "
+             "| vs none | fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for name in names:
+        doc = docs[name]
+        for r in doc.get("results", []):
+            if r["mode"] == "none":
+                base[(name.startswith("zero_memory-limit"), doc["ranks"], r["hidden"])] = r
+    for name in names:
+        doc = docs[name]
+        limit = name.startswith("zero_memory-limit")
+        for r in doc.get("results", []):
+            ref = base.get((limit, doc["ranks"], r["hidden"]))
+            vs = r["step_s"] / ref["step_s"] if ref and ref["step_s"] else None
+            lines.append(f"| {name} | {doc['ranks']} | {r['hidden']} | {r['params']:,} | {r['held_bytes'] / MIB:.1f} "
+                         f"| {r['held_vs_replicated']:.2f} | {r['state_bytes'] / MIB:.1f} "
+                         f"| {r['peak_rss_extra_bytes'] / MIB:.1f} | {r['step_s'] * 1e3:.1f} "
+                         f"| {'-' if vs is None else f'{vs:.2f}'} | {r.get('fits', '-')} |")
+            if r["mode"] == "optimizer" and ref and not limit:
+                verdicts.append((f"comm.shard=optimizer step time <= 1.10x replicated, {doc['ranks']} ranks", vs,
+                                 "met" if vs <= 1.10 else "MISSED"))
+                share = r["state_bytes"] / ref["state_bytes"] * doc["ranks"] if ref["state_bytes"] else None
+                verdicts.append((f"optimizer state per rank x ranks / replicated = 1 (+-5%), {doc['ranks']} ranks",
+                                 share, "n/a" if share is None else ("met" if abs(share - 1) <= 0.05 else "MISSED")))
+    for name in names:
+        largest = docs[name].get("params", {}).get("largest_fitting_params")
+        if name.startswith("zero_memory-limit"):
+            lines.append(f"\n{name}: largest model under {docs[name]['params'].get('limit_mib')} MiB/rank: "
+                         f"{'none fits' if largest is None else f'{largest:,} parameters'}")
+    return lines
+
+
 def _max():
     from mpi4py import MPI
 

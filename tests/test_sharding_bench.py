@@ -30,3 +30,25 @@ def test_zero_memory_accounts_the_state_each_rank_holds(tmp_path):
     assert abs(sharded["state_bytes"] - 4 * sharded["params"]) <= 8 * 64 + 64
     assert sharded["grad_bytes"] < replicated["grad_bytes"] * 0.6
     assert sharded["held_vs_replicated"] < 0.7
+
+
+def test_report_section_gives_the_targets_verdicts():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zero_memory
+
+    def doc(mode, step_s, state):
+        return {"ranks": 4, "params": {}, "results": [{
+            "mode": mode, "hidden": 64, "params": 1000, "held_bytes": 1, "held_vs_replicated": 1.0,
+            "state_bytes": state, "peak_rss_extra_bytes": 1, "step_s": step_s}]}
+
+    verdicts = []
+    lines = zero_memory.section({"zero_memory-none-4": doc("none", 1.0, 8000),
+                                 "zero_memory-optimizer-4": doc("optimizer", 1.08, 2000)}, verdicts)
+    assert any("zero_memory-optimizer-4 | 4 | 64 | 1,000" in line for line in lines)
+    assert [v[2] for v in verdicts] == ["met", "met"]
+    verdicts = []
+    zero_memory.section({"zero_memory-none-4": doc("none", 1.0, 8000),
+                         "zero_memory-optimizer-4": doc("optimizer", 1.2, 4000)}, verdicts)
+    assert [v[2] for v in verdicts] == ["MISSED", "MISSED"]
