@@ -178,6 +178,15 @@ def load(path, state, comm, parallel, restore_rng=True):
                 f"{path}: the optimizer's parameter groups differ from the checkpoint's (file: "
                 f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: [{len(names)}])",
                 hint="build the optimizer with the same parameter groups as the run that saved it")
+        # A slice spans parameters: it can only be filled when every parameter has the same state.
+        keys = _state_keys(h)
+        every = {key for per in keys.values() for key in per}
+        lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
+        if lacking:
+            raise CheckpointError(
+                f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of {', '.join(sorted(every))}, "
+                f"which other parameters have; a sharded run needs the same state for every parameter",
+                hint="resume this checkpoint with comm.shard=none")
         return h
 
     h = on_root(header, comm)
