@@ -151,9 +151,8 @@ def _read_slice(header, opt, comm, parallel):
         errors.append(f"reading the optimizer state: {type(exc).__name__}: {exc}")
     finally:
         reader.close_recording(f, errors)
-    typed = {k: snapshot.array_to_tensor(v, next(t for n in keys.values() for kk, (_, _, t, _) in n.items() if kk == k))
-             for k, v in tensors.items()}
-    return typed, scalars, sums, errors, paths
+    dtypes = {key: tname for per in keys.values() for key, (_, _, tname, _) in per.items()}
+    return {k: snapshot.array_to_tensor(v, dtypes[k]) for k, v in tensors.items()}, scalars, sums, errors, paths
 
 
 def _open_serial(path):
