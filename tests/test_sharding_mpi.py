@@ -192,3 +192,26 @@ def test_sharded_save_without_parallel_hdf5_fails_on_every_rank(tmp_path):
     said = result.output.count("CheckpointError: comm.shard needs parallel HDF5 to save")
     assert said == 2, result.output[-3000:]
     assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_example_trains_sharded_and_resumes_on_other_rank_counts(tmp_path):
+    """examples/large_mlp.toml (shrunk) through `hpctrain train`: sharded on 4 ranks, then the
+    same run directory resumed on 2 ranks sharded the other way, then on 1 rank replicated."""
+    from hpctrain.checkpoint import verify_checkpoint
+    from mpi_harness import hpctrain
+
+    small = ["model.hidden=32", "model.depth=2", f"data.path={tmp_path}/teacher.h5", "data.samples=1024",
+             "data.val_samples=128", "train.batch_size=16", "train.eval_every=0", "monitor.progress=log",
+             f"run.run_dir={tmp_path}/run", "train.warmup_steps=0"]
+    first = hpctrain(4, "train", "examples/large_mlp.toml", "comm.shard=optimizer", "train.max_steps=3", *small,
+                     timeout=TIMEOUT).check()
+    assert "done at step 3" in first.stdout
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not verify_checkpoint(str(checkpoints / "ckpt-00000003.h5"))
+    second = hpctrain(2, "train", "examples/large_mlp.toml", "comm.shard=gradients", "comm.backend=mpi",
+                      "train.max_steps=5", *small, timeout=TIMEOUT).check()
+    assert "resumed from" in second.stdout and "at step 3" in second.stdout and "done at step 5" in second.stdout
+    third = hpctrain(1, "train", "examples/large_mlp.toml", "train.max_steps=6", *small, timeout=TIMEOUT).check()
+    assert "at step 5" in third.stdout and "done at step 6" in third.stdout
+    assert (checkpoints / "latest").read_text().strip() == "ckpt-00000006.h5"
