@@ -12,8 +12,9 @@ slice per rank. A step:
     all-gather: every rank's updated slice to every rank               (backend.allgather_flat)
 
 ``"optimizer"`` (stage 1) keeps a persistent flat gradient buffer that the model's gradients
-are views of (no allocation per step); ``"gradients"`` (stage 2) frees the full gradients
-after the reduce-scatter and keeps only the slice's. Elementwise optimizers give the same
+are views of (no allocation per step); ``"gradients"`` (stage 2) moves each gradient, as the
+backward pass makes it, into a flat buffer that is freed after the reduce-scatter, and keeps
+only the slice's averaged gradients between steps. Elementwise optimizers give the same
 update on a slice as on the whole tensor, so a sharded run equals a replicated one up to
 the order of the floating-point sums in the reduction.
 
@@ -143,10 +144,28 @@ class ShardedOptimizer:
         self.optimizer.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         self.optimizer.defaults = dict(optimizer.defaults)
         self.grad_flat = None
+        self._accumulated = None  # stage 2: this step's gradients, summed as autograd makes them
         if stage == "optimizer":  # stage 1: gradients accumulate in place into one kept buffer
             self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
             for p, view in zip(self.params, self._views(self.grad_flat)):
                 p.grad = view
+        else:  # stage 2: each gradient moves into a buffer that lives until the reduce-scatter
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(self._take_grad(i))
+
+    def _take_grad(self, i):
+        """Stage 2: add parameter ``i``'s new gradient into this step's flat buffer and free
+        it, so that the model's gradients never all exist beside the buffer."""
+        import torch
+
+        off, n = self.offsets[i], self.params[i].numel()
+
+        def hook(p):
+            if self._accumulated is None:
+                self._accumulated = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
+            self._accumulated[off:off + n].view(p.shape).add_(p.grad)
+            p.grad = None
+        return hook
 
     def _views(self, flat):
         for p, off in zip(self.params, self.offsets):
@@ -166,8 +185,7 @@ class ShardedOptimizer:
         if self.grad_flat is not None:
             self.grad_flat.zero_()  # the model's gradients stay views of it
         else:
-            for p in self.params:
-                p.grad = None
+            self._accumulated = None
 
     # ---- one step
     def synchronize(self):
@@ -176,14 +194,10 @@ class ShardedOptimizer:
 
         with torch.no_grad():
             flat = self.grad_flat
-            if flat is None:  # stage 2: gather the gradients autograd made, then free them
-                flat = torch.empty(self.numel, dtype=torch.float32, device=self.flat.device)
-                for p, view in zip(self.params, self._views(flat)):
-                    if p.grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(p.grad)
-                    p.grad = None
+            if flat is None:  # stage 2: the buffer the hooks filled, freed after the reduce-scatter
+                flat, self._accumulated = self._accumulated, None
+                if flat is None:  # no backward pass reached a parameter
+                    flat = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
             self.shard.grad = self.backend.reduce_scatter_mean(flat, self.counts)
 
     def grads_finite(self):
