@@ -145,13 +145,18 @@ class ShardedOptimizer:
         self.optimizer.defaults = dict(optimizer.defaults)
         self.grad_flat = None
         self._accumulated = None  # stage 2: this step's gradients, summed as autograd makes them
+        for p in self.params:  # a model trained again (a second fit) must not feed the last optimizer
+            handle = getattr(p, "_hpctrain_shard_hook", None)
+            if handle is not None:
+                handle.remove()
+                p._hpctrain_shard_hook = None
         if stage == "optimizer":  # stage 1: gradients accumulate in place into one kept buffer
             self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
             for p, view in zip(self.params, self._views(self.grad_flat)):
                 p.grad = view
         else:  # stage 2: each gradient moves into a buffer that lives until the reduce-scatter
             for i, p in enumerate(self.params):
-                p.register_post_accumulate_grad_hook(self._take_grad(i))
+                p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._take_grad(i))
 
     def _take_grad(self, i):
         """Stage 2: add parameter ``i``'s new gradient into this step's flat buffer and free

@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.config import TrainConfig, validate
 from hpctrain.errors import ConfigError
-from hpctrain.sharding import pieces_of, shard_bounds
+from hpctrain.sharding import ShardedOptimizer, pieces_of, shard_bounds
 
 SHAPES = [(24, 8), (24,), (24, 24), (24,), (4, 24), (4,)]
 
@@ -77,3 +77,53 @@ def test_unsupported_optimizer_shapes_are_refused_before_any_collective():
     half = torch.nn.Linear(3, 2).to(torch.bfloat16)
     with pytest.raises(ConfigError, match="float32"):
         check_supported(torch.optim.SGD(half.parameters(), lr=0.1), half)
+
+
+class OneRank:
+    """The collectives of a one-rank world (every one is the identity there)."""
+
+    rank, size = 0, 1
+
+    def reduce_scatter_mean(self, flat, counts):
+        return flat.clone()
+
+    def allgather_flat(self, flat, counts):
+        pass
+
+    def allreduce_mean(self, value):
+        return value
+
+    def allgather_object(self, obj):
+        return [obj]
+
+    def broadcast_tensor(self, tensor, root=0):
+        pass
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients"])
+def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained_again(stage):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+    for _ in range(2):  # a second ShardedOptimizer over the same model (a second fit)
+        opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1), model, OneRank(), stage)
+        plain = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+        for _ in range(3):
+            xs = [torch.randn(4, 3) for _ in range(2)]  # two micro-batches
+            for x in xs:
+                model(x).pow(2).sum().backward()
+                ref(x).pow(2).sum().backward()
+            opt.synchronize()
+            assert opt.grads_finite()
+            norm = opt.clip_grad_norm(0.5)
+            assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)), rel=1e-5)
+            opt.step()
+            plain.step()
+            opt.zero_grad()
+            plain.zero_grad()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
