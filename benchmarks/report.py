@@ -11,6 +11,9 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zero_memory  # noqa: E402  (its section of the table)
+
 MIB = 2 ** 20
 
 TARGETS = {
@@ -238,7 +241,7 @@ def ckpt_section(docs, verdicts):
 
 
 def extra_section(docs):
-    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-")  # comm_modes: its own section
+    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-", "zero_memory-")  # comm_modes: its own section
     other = {k: v for k, v in docs.items() if not k.startswith(known)}
     lines = []
     for name, doc in other.items():
@@ -269,6 +272,7 @@ def render(out):
     lines += train_section(docs, verdicts)
     lines += ckpt_section(docs, verdicts)
     lines += scaling_section(docs)
+    lines += zero_memory.section(docs, verdicts)
     lines += extra_section(docs)
     from comm_modes import section as comm_modes_section
 

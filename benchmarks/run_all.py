@@ -77,6 +77,19 @@ def plan(quick, out):
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
             else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
+    # comm.shard (docs/sharding.md): per-rank memory and step time against replicated AdamW and
+    # PyTorch's ZeroRedundancyOptimizer; then the largest width that fits a per-rank limit.
+    zero = (["--widths", "64", "--steps", "2", "--warmup", "1", "--batch", "8"] if quick
+            else ["--steps", "10", "--warmup", "3"])
+    for n in (2, 4):
+        for mode in ("none", "optimizer", "gradients", "torch_zero"):
+            name = f"zero_memory-{mode}-{n}"
+            launches.append((name, n, ["zero_memory.py", "--mode", mode] + zero + j(name), 240 if quick else 600))
+    limit = (["--widths", "64", "128", "--limit-mib", "8", "--steps", "1", "--warmup", "1", "--batch", "8"] if quick
+             else ["--widths", "1024", "1440", "2048", "2896", "--limit-mib", "1024", "--steps", "3", "--warmup", "1"])
+    for mode in ("none", "optimizer", "gradients"):
+        name = f"zero_memory-limit-{mode}-4"
+        launches.append((name, 4, ["zero_memory.py", "--mode", mode] + limit + j(name), 240 if quick else 900))
     launches += comm_modes_plan(quick, out, j)
     return launches
 
@@ -128,7 +141,7 @@ def run(name, n, args, timeout, out, log):
     cond["settle_s"] = waited
     quiet, why = conditions.judge(cond)
     for line in stdout.splitlines():
-        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes")):
+        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes", "zero_memory")):
             print(f"  {line}", flush=True)
     entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
              "conditions": cond, "publishable": quiet, "why_not": why}

@@ -143,6 +143,7 @@ class LoopConfig:
     loss: str = "cross_entropy"
     # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
     metrics: str = ""
+    clip_grad_norm: float = 0.0  # clip the averaged gradients to this global L2 norm; 0: off
 
 
 @dataclass
@@ -162,6 +163,9 @@ class CommConfig:
     outer_lr: float = 1.0  # local_sgd with nesterov
     outer_momentum: float = 0.0  # local_sgd with nesterov, e.g. 0.9
     check_replicas: bool = True  # local_sgd: compare the replicas' fingerprints after every average
+    # "optimizer" (ZeRO stage 1): each rank keeps and updates 1/N of the optimizer state;
+    # "gradients" (stage 2): also only 1/N of the gradients after the reduce-scatter. docs/sharding.md
+    shard: str = "none"
 
 
 @dataclass
@@ -622,6 +626,7 @@ def validate(cfg, world_size=1, cuda=False, need_data=True):
                           f"rate is multiplied by it at each rollback)",
                           hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
     data_ranks = _check_layout(cfg.parallel, world_size)  # the replicas: world_size when not split
+    _check_shard(c, t)
     if t.global_batch_size:
         t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, data_ranks, t.accumulation)
         if note:  # what was changed, for rank 0 to say (not a field: never written to config.toml)
@@ -734,3 +739,32 @@ def _check_split(cfg):
     if cfg.comm.mode != "sync":
         raise ConfigError(f"comm.mode = {cfg.comm.mode!r} is not supported {why}: the replicas of each stage "
                           f"average their gradients at every step", hint='set comm.mode = "sync"')
+    if t.clip_grad_norm:
+        raise ConfigError(f"train.clip_grad_norm is not supported {why}: no rank holds every gradient to take "
+                          f"the global norm of", hint="set train.clip_grad_norm=0")
+    if cfg.comm.shard != "none":
+        raise ConfigError(f"comm.shard = {cfg.comm.shard!r} is not supported {why}: each stage's optimizer "
+                          f"already holds only its own layers' state", hint='set comm.shard = "none"')
+
+
+SHARD_MODES = ("none", "optimizer", "gradients")
+
+
+def _check_shard(c, t):
+    """``comm.shard`` and ``train.clip_grad_norm``: the choices, and what sharding cannot do."""
+    if c.shard not in SHARD_MODES:
+        close = _closest(c.shard, SHARD_MODES)
+        raise ConfigError(f"comm.shard = {c.shard!r} is not one of {', '.join(SHARD_MODES)}",
+                          hint=f"did you mean comm.shard = {close!r}?" if close else
+                          'comm.shard = "optimizer" (ZeRO stage 1), "gradients" (stage 2) or "none"')
+    if t.clip_grad_norm < 0:
+        raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
+                          hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")
+    if c.shard != "none" and t.precision == "fp16":
+        raise ConfigError(f"comm.shard = {c.shard!r} does not support train.precision = \"fp16\" (its GradScaler "
+                          f"steps the whole optimizer, not one rank's shard)",
+                          hint='use train.precision = "bf16", or comm.shard = "none" with fp16')
+    if c.shard != "none" and c.mode != "sync":
+        raise ConfigError(f"comm.shard = {c.shard!r} and comm.mode = {c.mode!r} do not go together: a sharded "
+                          f"step reduce-scatters the gradients of that very step",
+                          hint='set comm.mode = "sync" with comm.shard, or comm.shard = "none" with local_sgd/stale')

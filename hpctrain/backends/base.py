@@ -101,3 +101,18 @@ class Backend:
     def average(self, flat, compress=True):
         """Average ``flat`` over all ranks in place (one collective); returns it."""
         return self.wait_average(self.start_average(flat, compress))
+
+    # ---- sharded training (comm.shard, hpctrain.sharding)
+    def reduce_scatter_mean(self, flat, counts):
+        """Average the 1-D ``flat`` over ranks; return this rank's part of the result: the
+        ``counts[rank]`` elements after ``sum(counts[:rank])`` (parts may differ in size)."""
+        raise NotImplementedError
+
+    def allgather_flat(self, flat, counts):
+        """In place: every rank's part of the 1-D ``flat`` (as :meth:`reduce_scatter_mean`
+        cuts it) becomes, on every rank, the values its own rank holds."""
+        raise NotImplementedError
+
+    def broadcast_tensor(self, tensor, root=0):
+        """In place: ``tensor`` becomes ``root``'s on every rank."""
+        raise NotImplementedError

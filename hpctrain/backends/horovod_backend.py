@@ -128,6 +128,39 @@ class HorovodBackend(Backend):
         return flat
 
 
+    # ---- sharded training (comm.shard, hpctrain.sharding)
+    # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing, and
+    # hvd.allgather stacks along it: each rank's part travels padded to the longest, as one
+    # row of a (ranks x longest) tensor, so the parts can be cut anywhere.
+    def _padded(self, flat, counts):
+        padded = flat.new_zeros(len(counts), max(max(counts), 1))
+        lo = 0
+        for r, n in enumerate(counts):
+            padded[r, :n] = flat[lo:lo + n]
+            lo += n
+        return padded
+
+    def reduce_scatter_mean(self, flat, counts):
+        hvd = self.hvd
+        f = self.gradient_predivide_factor
+        out = hvd.reducescatter(self._padded(flat, counts), compression=self._compressor, op=hvd.Sum,
+                                prescale_factor=1.0 / f, postscale_factor=f / self.size)
+        return out.reshape(-1)[:counts[self.rank]].clone()
+
+    def allgather_flat(self, flat, counts):
+        lo = sum(counts[:self.rank])
+        mine = flat.new_zeros(1, max(max(counts), 1))
+        mine[0, :counts[self.rank]] = flat[lo:lo + counts[self.rank]]
+        rows = self.hvd.allgather(mine)
+        lo = 0
+        for r, n in enumerate(counts):
+            flat[lo:lo + n] = rows[r, :n]
+            lo += n
+
+    def broadcast_tensor(self, tensor, root=0):
+        self.hvd.broadcast_(tensor, root_rank=root)
+
+
 class HorovodProcessSetBackend(HorovodBackend):
     """Gradient averaging among a group of ranks (a Horovod process set), e.g. the replicas
     of one pipeline stage. ``groups``: every group of the job as lists of world ranks, the

@@ -209,3 +209,43 @@ class MPIBackend(Backend):
             flat.copy_(wire)
         flat.div_(self.size)
         return flat
+
+    # ---- sharded training (comm.shard, hpctrain.sharding)
+    def reduce_scatter_mean(self, flat, counts):
+        # MPI_Reduce_scatter takes a count per rank, so uneven parts need no padding.
+        import torch
+
+        MPI = self.MPI
+        f = self.gradient_predivide_factor
+        fp16 = self.compressor.name == "fp16"
+        wire = flat / f if f != 1.0 else flat  # divided before the cast: the fp16 range
+        if fp16:
+            wire = wire.to(torch.float16)
+        host = wire.detach().cpu().contiguous()
+        out = torch.empty(counts[self.rank], dtype=host.dtype)
+        if fp16:
+            if self._fp16_op is None:
+                self._fp16_op = MPI.Op.Create(_fp16_sum, commute=True)
+            self.comm.Reduce_scatter([host.view(torch.int16).numpy(), MPI.INT16_T],
+                                     [out.view(torch.int16).numpy(), MPI.INT16_T], recvcounts=list(counts),
+                                     op=self._fp16_op)
+        else:
+            self.comm.Reduce_scatter(host.numpy(), out.numpy(), recvcounts=list(counts), op=MPI.SUM)
+        out = out.to(device=flat.device, dtype=flat.dtype)
+        return out.div_(self.size / f)
+
+    def allgather_flat(self, flat, counts):
+        # The parameters' flat buffer is float32 (hpctrain.sharding checks it).
+        displs = [sum(counts[:r]) for r in range(len(counts))]
+        host = flat.detach().cpu()  # the same memory on the CPU
+        self.comm.Allgatherv(self.MPI.IN_PLACE, [host.numpy(), list(counts), displs, self.MPI.FLOAT])
+        if host.data_ptr() != flat.data_ptr():
+            flat.copy_(host)
+
+    def broadcast_tensor(self, tensor, root=0):
+        import torch
+
+        host = tensor.detach().cpu().contiguous()
+        self.comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root)
+        if host.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(host)

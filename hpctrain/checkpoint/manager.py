@@ -25,7 +25,7 @@ from ..coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError, ConfigError
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
 from . import format as fmt
-from . import reader, snapshot, writer
+from . import reader, sharded, snapshot, writer
 from .interval import AutoInterval
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -187,6 +187,9 @@ def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reaso
 
 
 def _plan(state, info, comm, parallel, copy=False, buffers=None):
+    if sharded.is_sharded(state):  # comm.shard: each rank writes its optimizer slice's rows
+        sharded.check_parallel(parallel)
+        return sharded.plan(state, info, comm, copy=copy)
     snap = snapshot.take_snapshot(state, info, copy=copy, buffers=buffers)
     return writer.plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
 
@@ -209,6 +212,8 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
     """
     comm = _comm(comm)
     parallel, _ = _io_mode(comm)
+    if sharded.is_sharded(state):  # comm.shard: each rank reads its optimizer slice's rows
+        return sharded.load(path, state, comm, parallel, restore_rng)
 
     def header():
         h = reader.read_header(path)

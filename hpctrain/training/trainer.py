@@ -197,7 +197,13 @@ class Trainer:
             model.to(world.device)
         base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
         mode = comm_modes.build(cfg.comm, backend, model)  # comm.mode: sync, local_sgd, stale
-        optimizer = mode.wrap_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
+        if cfg.comm.shard != "none":  # each rank updates its slice (hpctrain.sharding); comm.mode is sync
+            from ..sharding import ShardedOptimizer
+
+            optimizer = all_or_none(lambda: ShardedOptimizer(_make_optimizer(model, t, base_lr), model, backend,
+                                                             cfg.comm.shard), comm)
+        else:
+            optimizer = mode.wrap_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
         state = TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler, comm=mode)
 
@@ -207,7 +213,10 @@ class Trainer:
         with watching("resume from a checkpoint"):
             if checkpoints is not None and checkpoints.resume(state):
                 sampler.seed = state.progress.seed  # the data order of the run being resumed
-            backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
+            if getattr(optimizer, "sharded", False):
+                optimizer.broadcast_parameters()  # each rank keeps its own optimizer slice
+            else:
+                backend.broadcast_state(model, optimizer)  # rank 0's weights and optimizer state win
             mode.start(state)
 
         total_steps = sampler.steps_per_epoch * t.epochs
@@ -339,19 +348,29 @@ class Trainer:
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += float(loss.detach())
         step = state.progress.step + 1
+        sharded = getattr(optimizer, "sharded", False)  # comm.shard: the verdict and norm need the other slices
         with timer.phase("allreduce_wait"):
-            apply = state.comm.synchronize_gradients(optimizer, step)  # stale: False at its first step
+            if sharded:
+                optimizer.synchronize()
+                apply = True
+            else:
+                apply = state.comm.synchronize_gradients(optimizer, step)  # stale: False at its first step
         with timer.phase("optimizer"):
             # With a GradScaler, inf/NaN gradients are its own business: it skips the step
             # and lowers the scale. Otherwise a non-finite step is never applied.
             bad = None  # the first parameter whose gradient is not finite
-            finite = not apply or scaler is not None or nonfinite.grads_finite(optimizer)
+            if sharded:  # one verdict over all slices
+                finite = optimizer.grads_finite()
+            else:
+                finite = not apply or scaler is not None or nonfinite.grads_finite(optimizer)
             if run.split is not None:  # each rank holds a part of the model: one verdict for all
                 finite = run.split.all_finite(finite)
-            if not finite:
-                bad = nonfinite.first_nonfinite(model)  # the slow search, on this path only
+            if not finite:  # the slow search, on this path only
+                bad = optimizer.first_nonfinite() if sharded else nonfinite.first_nonfinite(model)
             elif apply:  # comm.mode = stale applies nothing at its first step
-                state.comm.step(optimizer, scaler)
+                if run.cfg.train.clip_grad_norm:
+                    _clip(optimizer, model, scaler, run.cfg.train.clip_grad_norm)
+                optimizer.step() if sharded else state.comm.step(optimizer, scaler)
             optimizer.zero_grad()
         with timer.phase("allreduce_wait"):
             state.comm.after_step(step)  # local_sgd: the parameter average at its synchronisation points
@@ -485,6 +504,18 @@ def _make_optimizer(model, t, lr):
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+
+
+def _clip(optimizer, model, scaler, max_norm):
+    """``train.clip_grad_norm``: the global norm of the averaged gradients (over the slices
+    of every rank when sharded)."""
+    import torch
+
+    if getattr(optimizer, "sharded", False):
+        return optimizer.clip_grad_norm(max_norm)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
 
 
 def _set_lr(optimizer, base_lr, warmup_steps, step):

@@ -1,0 +1,225 @@
+"""Checkpoints of sharded runs (``comm.shard``, :mod:`hpctrain.sharding`) in the ordinary format.
+
+A file written here has the same datasets, shapes, attributes and values as a replicated
+run's: ``/optimizer/state/<param>/<key>`` holds each parameter's whole state tensor. Only
+who writes which rows differs: every rank writes the rows of the parameters its optimizer
+slice covers, straight from that slice (slices end on row boundaries, so each rank's part of
+a dataset is one block of rows; nothing is gathered, no rank holds more than its slice). The
+model's tensors, which every rank holds, are shared out as for a replicated run.
+
+Loading reads the model on every rank as :func:`~.manager.load_checkpoint` does, and the
+optimizer state of only this rank's rows, for the slices of the current rank count. So a
+file saved sharded on 4 ranks resumes replicated on 1, sharded on 2, and the reverse.
+"""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..coordination import all_or_none, everywhere, on_root
+from ..errors import CheckpointError
+from . import format as fmt
+from . import reader, snapshot, writer
+
+STATE_PREFIX = fmt.OPT_STATE + "/"
+
+
+def is_sharded(state):
+    """True when ``state.optimizer`` is a :class:`~hpctrain.sharding.ShardedOptimizer`."""
+    return bool(getattr(state.optimizer, "sharded", False))
+
+
+def _description(opt):
+    """What :func:`.snapshot.optimizer_parts` gives for the replicated optimizer: groups with
+    parameter names, and per parameter its non-tensor state; plus the slice's state."""
+    inner = opt.optimizer
+    names = opt.param_names()
+    group = inner.state_dict()["param_groups"][0]
+    state = inner.state.get(opt.shard, {})
+    values = {k: v for k, v in state.items() if not hasattr(v, "detach")}
+    description = {"class": type(inner).__name__, "groups": [dict(group, params=names)],
+                   "values": {name: dict(values) for name in names} if state else {}}
+    tensors = {k: v for k, v in sorted(state.items()) if hasattr(v, "detach")}
+    return json.loads(fmt.to_json(description)), tensors
+
+
+def _optimizer_plans(opt, tensors, rank, copy):
+    """One :class:`~.writer.DatasetPlan` per parameter and state tensor: each rank its rows."""
+    plans = []
+    for name, shape, pieces in opt.layout():
+        per_row = int(np.prod(shape[1:])) if shape else 1
+        for key, value in tensors.items():
+            path = snapshot.optimizer_state_path(name, key)
+            if value.dim() == 0:  # e.g. Adam's step: the same on every rank, written by one
+                owner = pieces[0][0] if pieces else 0
+                array, dtype = snapshot.tensor_to_array(value, copy)
+                plans.append(writer.DatasetPlan(path, (), array.dtype, {fmt.DTYPE_ATTR: dtype}, [(owner, ())],
+                                                array if rank == owner else None, finite=True))
+                continue
+            mine, dtype = None, snapshot.dtype_name(value)
+            for r, a, b, start in pieces:
+                if r == rank:
+                    part = value.detach()[start:start + (b - a) * per_row].view((b - a,) + tuple(shape[1:]))
+                    mine, dtype = snapshot.tensor_to_array(part, copy)
+            stored = np.dtype(fmt.storage_dtype(dtype))
+            plans.append(writer.DatasetPlan(path, tuple(shape), stored, {fmt.DTYPE_ATTR: dtype},
+                                            [(r, fmt.rows(shape, a, b)) for r, a, b, _ in pieces], mine,
+                                            finite=True))
+    return plans
+
+
+def plan(state, info, comm, copy=False):
+    """This rank's :class:`~.writer.Plan` of a sharded ``state`` (collective file, parallel HDF5)."""
+    opt, rank = state.optimizer, comm.Get_rank()
+    params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}
+    entries = []
+    for name, tensor in state.model.state_dict().items():
+        array, dtype = snapshot.tensor_to_array(tensor, copy)
+        entries.append(snapshot.Entry(snapshot.model_path(name), array, {fmt.DTYPE_ATTR: dtype},
+                                      finite=name in params))
+    rng = snapshot.rng_entries(info["rng"])
+    base = writer.plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank)
+    description, tensors = _description(opt)
+    groups = snapshot.optimizer_attrs(description)
+    groups.update(snapshot.progress_attrs(state.progress, info["rng"], getattr(state, "scaler", None)))
+    datasets = base.datasets[:len(entries)] + _optimizer_plans(opt, tensors, rank, copy) + base.datasets[len(entries):]
+    return writer.Plan(datasets, base.root_attrs, groups)
+
+
+def check_parallel(parallel):
+    if not parallel:
+        raise everywhere(CheckpointError(
+            "comm.shard needs parallel HDF5 to save: each rank writes its optimizer slice into the shared file, "
+            "and this h5py has no MPI support (or HPCTRAIN_CKPT_SERIAL=1 is set)",
+            hint="build h5py with HDF5_MPI=ON (scripts/setup.sh), unset HPCTRAIN_CKPT_SERIAL, or use comm.shard=none"))
+
+
+# ---------------------------------------------------------------- loading
+
+def _state_keys(header):
+    """``{parameter name: {state key: (shape, numpy dtype, torch dtype name, crc)}}`` of the file."""
+    keys = {}
+    for path, (shape, dtype, attrs) in header.datasets.items():
+        if path.startswith(STATE_PREFIX):
+            pkey, key = path[len(STATE_PREFIX):].rsplit("/", 1)
+            keys.setdefault(fmt.param_name(pkey), {})[key] = (tuple(shape), np.dtype(dtype),
+                                                                attrs[fmt.DTYPE_ATTR], int(attrs[fmt.CRC_ATTR]))
+    return keys
+
+
+def _read_slice(header, opt, comm, parallel):
+    """Read this rank's rows of every optimizer state dataset into flat slice tensors.
+    Returns ``(tensors, scalars, checksums, errors)``; checksums as :func:`.writer.own_checksums`
+    gives them, indexed by the sorted state paths."""
+    import torch
+
+    rank = comm.Get_rank()
+    keys = _state_keys(header)
+    paths = sorted(p for p in header.datasets if p.startswith(STATE_PREFIX))
+    index = {p: i for i, p in enumerate(paths)}
+    count = opt.counts[rank]
+    tensors, scalars, sums, errors, f = {}, {}, [], [], None
+    try:
+        f = reader.open_for_read(header.path, comm, parallel) if parallel else _open_serial(header.path)
+        for name, shape, pieces in opt.layout():
+            per_row = int(np.prod(shape[1:])) if shape else 1
+            for key, (dshape, dtype, tname, _) in sorted(keys.get(name, {}).items()):
+                path = snapshot.optimizer_state_path(name, key)
+                if dshape == ():
+                    value = np.asarray(f[path][()])
+                    scalars.setdefault(key, (value, tname))
+                    owner = pieces[0][0] if pieces else 0
+                    if rank == owner:
+                        sums.append((index[path], 0, value.nbytes, fmt.crc32_bytes(value)))
+                    continue
+                if dshape != tuple(shape):
+                    errors.append(f"/{path} has shape {dshape}, the parameter {shape}")
+                    continue
+                flat = tensors.get(key)
+                if flat is None:
+                    flat = tensors[key] = np.empty(count, dtype=dtype)
+                for r, a, b, start in pieces:
+                    if r != rank:
+                        continue
+                    part = flat[start:start + (b - a) * per_row].reshape((b - a,) + tuple(shape[1:]))
+                    f[path].read_direct(part, np.s_[a:b] if shape else np.s_[()])
+                    sums.append((index[path], a * fmt.row_bytes(dshape, dtype.itemsize), part.nbytes,
+                                 fmt.crc32_bytes(part)))
+                    if not fmt.all_finite(part, tname):
+                        errors.append(f"/{path} holds NaN or infinite values (the state of a run that had diverged)")
+    except Exception as exc:
+        errors.append(f"reading the optimizer state: {type(exc).__name__}: {exc}")
+    finally:
+        reader.close_recording(f, errors)
+    dtypes = {key: tname for per in keys.values() for key, (_, _, tname, _) in per.items()}
+    return {k: snapshot.array_to_tensor(v, dtypes[k]) for k, v in tensors.items()}, scalars, sums, errors, paths
+
+
+def _open_serial(path):
+    import h5py
+
+    return h5py.File(path, "r")
+
+
+def load(path, state, comm, parallel, restore_rng=True):
+    """Collective: read checkpoint ``path`` (written sharded or not, on any rank count) into
+    a sharded ``state``: the whole model on every rank, the optimizer state of this rank's
+    slice only. The same :class:`CheckpointError` on every rank before anything changes."""
+    opt = state.optimizer
+
+    def header():
+        h = reader.read_header(path)
+        snapshot.check_model_against(state.model, h.datasets, path)
+        saved = json.loads(h.group_attrs.get(fmt.OPTIMIZER, {}).get("param_groups", "[]"))
+        names = opt.param_names()
+        if len(saved) != 1 or saved[0].get("params") != names:
+            raise CheckpointError(
+                f"{path}: the optimizer's parameter groups differ from the checkpoint's (file: "
+                f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: [{len(names)}])",
+                hint="build the optimizer with the same parameter groups as the run that saved it")
+        # A slice spans parameters: it can only be filled when every parameter has the same state.
+        keys = _state_keys(h)
+        every = {key for per in keys.values() for key in per}
+        lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
+        if lacking:
+            raise CheckpointError(
+                f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of {', '.join(sorted(every))}, "
+                f"which other parameters have; a sharded run needs the same state for every parameter",
+                hint="resume this checkpoint with comm.shard=none")
+        return h
+
+    h = on_root(header, comm)
+    arrays = reader.read_arrays(h, comm, parallel, keep=lambda p: not p.startswith(STATE_PREFIX))
+    tensors, scalars, sums, errors, paths = _read_slice(h, opt, comm, parallel)
+    try:
+        reader.agree(errors, comm, h.path, "reading")
+    except CheckpointError as exc:
+        raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
+    found = writer.combine_checksums(comm.allgather(sums), len(paths))
+    reader._mismatches(h.path, paths, [int(h.datasets[p][2][fmt.CRC_ATTR]) for p in paths], found)
+    typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
+
+    def apply():
+        import torch
+
+        group = dict(json.loads(h.group_attrs[fmt.OPTIMIZER]["param_groups"])[0], params=[0])
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        slice_state = dict(tensors)
+        for key, (value, tname) in scalars.items():
+            slice_state[key] = snapshot.array_to_tensor(np.array(value), tname)
+        if slice_state:
+            first = opt.param_names()[0]
+            values = json.loads(h.group_attrs.get(f"{fmt.OPT_STATE}/{fmt.param_key(first)}", {}).get("values", "{}"))
+            slice_state.update(values)
+        slice_state = {k: (v.to(opt.flat.device) if isinstance(v, torch.Tensor) and v.dim() else v)
+                       for k, v in slice_state.items()}
+        view = SimpleNamespace(model=state.model, optimizer=None, progress=state.progress,
+                               scaler=getattr(state, "scaler", None))
+        snapshot.restore(view, typed, h.group_attrs, path)
+        opt.optimizer.load_state_dict({"state": {0: slice_state} if slice_state else {}, "param_groups": [group]})
+        if restore_rng and comm.Get_rank() == 0:
+            snapshot.restore_rng(arrays, h.group_attrs)
+
+    all_or_none(apply, comm)
+    return h

@@ -1,0 +1,129 @@
+"""Pure logic of comm.shard: how the flat parameter buffer is cut into rank slices, which
+rows of each parameter a rank holds, and the configuration checks."""
+import math
+
+import pytest
+
+from hpctrain.config import TrainConfig, validate
+from hpctrain.errors import ConfigError
+from hpctrain.sharding import ShardedOptimizer, pieces_of, shard_bounds
+
+SHAPES = [(24, 8), (24,), (24, 24), (24,), (4, 24), (4,)]
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 7, 64])
+def test_slices_cover_everything_on_row_boundaries_balanced_within_a_row(nranks):
+    bounds = shard_bounds(SHAPES, nranks)
+    total = sum(math.prod(s) for s in SHAPES)
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in rank order
+    offsets = [sum(math.prod(s) for s in SHAPES[:i]) for i in range(len(SHAPES))]
+    widest = max(math.prod(s[1:]) for s in SHAPES)
+    for lo, hi in bounds:
+        assert hi >= lo
+        assert hi - lo <= total / nranks + widest  # balanced within one row
+        for cut in (lo, hi):  # every cut is a row boundary of the parameter it falls in
+            for off, shape in zip(offsets, SHAPES):
+                if off < cut < off + math.prod(shape):
+                    assert (cut - off) % math.prod(shape[1:]) == 0
+
+
+def test_pieces_of_a_parameter_are_row_blocks_in_rank_order():
+    bounds = shard_bounds([(4, 3), (5,)], 2)
+    assert bounds == [(0, 9), (9, 17)]
+    assert pieces_of(0, (4, 3), bounds) == [(0, 0, 3, 0), (1, 3, 4, 0)]
+    assert pieces_of(12, (5,), bounds) == [(1, 0, 5, 3)]
+
+
+def test_more_ranks_than_rows_leaves_empty_slices():
+    bounds = shard_bounds([(2,)], 4)
+    assert sum(b - a for a, b in bounds) == 2
+    assert [r for r, *_ in pieces_of(0, (2,), bounds)] == [1, 3]
+
+
+def _cfg(**train):
+    cfg = TrainConfig()
+    cfg.data.path = "x.h5"
+    for key, value in train.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def test_config_shard_choices_and_clip():
+    assert validate(_cfg(comm__shard="gradients")).comm.shard == "gradients"
+    with pytest.raises(ConfigError, match="(?s)comm.shard = 'optimiser'.*did you mean comm.shard = 'optimizer'"):
+        validate(_cfg(comm__shard="optimiser"))
+    with pytest.raises(ConfigError, match="train.clip_grad_norm = -1.0 must be >= 0"):
+        validate(_cfg(train__clip_grad_norm=-1.0))
+
+
+def test_config_shard_refuses_fp16_gradscaler():
+    with pytest.raises(ConfigError, match="does not support train.precision = \"fp16\""):
+        validate(_cfg(comm__shard="optimizer", train__precision="fp16"), cuda=True)
+
+
+def test_unsupported_optimizer_shapes_are_refused_before_any_collective():
+    import torch
+
+    from hpctrain.sharding import check_supported
+
+    model = torch.nn.Linear(3, 2)
+    groups = [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.0}]
+    with pytest.raises(ConfigError, match="one parameter group"):
+        check_supported(torch.optim.SGD(groups, lr=0.1), model)
+    with pytest.raises(ConfigError, match="supports SGD, Adam and AdamW"):
+        check_supported(torch.optim.Adagrad(model.parameters()), model)
+    half = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="float32"):
+        check_supported(torch.optim.SGD(half.parameters(), lr=0.1), half)
+
+
+class OneRank:
+    """The collectives of a one-rank world (every one is the identity there)."""
+
+    rank, size = 0, 1
+
+    def reduce_scatter_mean(self, flat, counts):
+        return flat.clone()
+
+    def allgather_flat(self, flat, counts):
+        pass
+
+    def allreduce_mean(self, value):
+        return value
+
+    def allgather_object(self, obj):
+        return [obj]
+
+    def broadcast_tensor(self, tensor, root=0):
+        pass
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients"])
+def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained_again(stage):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+    for _ in range(2):  # a second ShardedOptimizer over the same model (a second fit)
+        opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1), model, OneRank(), stage)
+        plain = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+        for _ in range(3):
+            xs = [torch.randn(4, 3) for _ in range(2)]  # two micro-batches
+            for x in xs:
+                model(x).pow(2).sum().backward()
+                ref(x).pow(2).sum().backward()
+            opt.synchronize()
+            assert opt.grads_finite()
+            norm = opt.clip_grad_norm(0.5)
+            assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)), rel=1e-5)
+            opt.step()
+            plain.step()
+            opt.zero_grad()
+            plain.zero_grad()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
