@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 
 from ..compression import get_compressor
+from ..flat import views
 from .base import Backend
 
 # Bytes per fused buffer: few enough calls that latency does not dominate, small enough
@@ -44,15 +45,6 @@ def _buckets(params, limit):
     if current:
         buckets.append(current)
     return buckets
-
-
-def _views(flat, params):
-    """Consecutive pieces of ``flat`` shaped like ``params``."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        yield flat[offset:offset + n].view(p.shape)
-        offset += n
 
 
 class MPIBackend(Backend):
@@ -117,7 +109,7 @@ class MPIBackend(Backend):
         # a persistent half-size buffer, instead of in extra passes that allocate.
         cast = self.compressor.name == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
         wire = self._buffer(i, "wire", numel, torch.float16, flat.device) if cast else flat
-        for p, chunk in zip(bucket, _views(wire, bucket)):
+        for p, chunk in zip(bucket, views(wire, bucket)):
             if p.grad is None:
                 chunk.zero_()
             elif self.gradient_predivide_factor != 1.0:
@@ -139,7 +131,7 @@ class MPIBackend(Backend):
         # The gradients become views of the reduced buffer instead of being copied back
         # (as DDP's gradient_as_bucket_view); zero_grad() drops the views, and the next
         # backward pass makes fresh gradients that are copied in above.
-        for p, chunk in zip(bucket, _views(flat, bucket)):
+        for p, chunk in zip(bucket, views(flat, bucket)):
             p.grad = chunk
 
     def _allreduce_sum(self, tensor):

@@ -37,6 +37,7 @@ import logging
 
 from ..coordination import everywhere
 from ..errors import HpctrainError
+from ..flat import views
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
 from . import nonfinite
 
@@ -78,14 +79,6 @@ def check_replicas(model, comm, after):
 
 def _floating(tensors):
     return [t for t in tensors if t.is_floating_point()]
-
-
-def _views(flat, tensors):
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        yield flat[offset:offset + n].view(t.shape)
-        offset += n
 
 
 class Sync:
@@ -148,7 +141,7 @@ class Sync:
         return [p for p in self._params if p.requires_grad]
 
     def _grads_to(self, flat, params):
-        for p, chunk in zip(params, _views(flat, params)):
+        for p, chunk in zip(params, views(flat, params)):
             if p.grad is None:
                 chunk.zero_()
             else:
@@ -235,12 +228,12 @@ class LocalSGD(Sync):
         with torch.no_grad():
             flat = torch.empty(n_grads + n_buffers, dtype=torch.float32, device=params[0].device)
             self._grads_to(flat[:n_grads], params)
-            for b, chunk in zip(self._buffers, _views(flat[n_grads:], self._buffers)):
+            for b, chunk in zip(self._buffers, views(flat[n_grads:], self._buffers)):
                 chunk.copy_(b)
             self._average_split(flat, n_grads)
-            for p, chunk in zip(params, _views(flat, params)):
+            for p, chunk in zip(params, views(flat, params)):
                 p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
-            for b, chunk in zip(self._buffers, _views(flat[n_grads:], self._buffers)):
+            for b, chunk in zip(self._buffers, views(flat[n_grads:], self._buffers)):
                 b.copy_(chunk)
 
     def _average_split(self, flat, n_compressible):
@@ -305,15 +298,15 @@ class LocalSGD(Sync):
         device = self._params[0].device
         with torch.no_grad():
             flat = torch.empty(n_model + n_opt, dtype=torch.float32, device=device)
-            for a, t, chunk in zip(self._anchor, model_part, _views(flat, model_part)):
+            for a, t, chunk in zip(self._anchor, model_part, views(flat, model_part)):
                 chunk.copy_(a - t)
             opt_flat = flat[n_model:]
-            for t, chunk in zip(opt_part, _views(opt_flat, opt_part)):
+            for t, chunk in zip(opt_part, views(opt_flat, opt_part)):
                 chunk.copy_(t)
             # The change is small and travels well in fp16; optimizer state (Adam's squared
             # moments) would underflow, so with compression it goes in fp32 apart.
             self._average_split(flat, n_model)
-            deltas = list(_views(flat, model_part))
+            deltas = list(views(flat, model_part))
             for i, (a, t, d) in enumerate(zip(self._anchor, model_part, deltas)):
                 d = d.to(a.dtype) if d.dtype != a.dtype else d
                 if self.nesterov and i < len(self._params):
@@ -324,7 +317,7 @@ class LocalSGD(Sync):
                 else:
                     a.sub_(d)
                 t.copy_(a)
-            for t, chunk in zip(opt_part, _views(opt_flat, opt_part)):
+            for t, chunk in zip(opt_part, views(opt_flat, opt_part)):
                 t.copy_(chunk)
         self._synced = True
         self.syncs += 1
@@ -417,7 +410,7 @@ class Stale(Sync):
 
     def _set_grads(self, flat):
         params = self._grads()
-        for p, chunk in zip(params, _views(flat, params)):
+        for p, chunk in zip(params, views(flat, params)):
             p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
         self.applied += 1
 
@@ -451,7 +444,7 @@ class Stale(Sync):
             return {}
         params = self._grads()
         return {f"pending_gradient/{self._names[id(p)]}": chunk
-                for p, chunk in zip(params, _views(self._ready, params))}
+                for p, chunk in zip(params, views(self._ready, params))}
 
     def restore_tensors(self, tensors):
         import torch
@@ -464,7 +457,7 @@ class Stale(Sync):
         found = [tensors.get(f"pending_gradient/{self._names[id(p)]}") for p in params]
         if any(t is not None for t in found):
             flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-            for t, chunk in zip(found, _views(flat, params)):
+            for t, chunk in zip(found, views(flat, params)):
                 if t is not None:
                     chunk.copy_(t)
             self._ready = flat
