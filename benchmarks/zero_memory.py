@@ -34,7 +34,7 @@ def build(hidden):
     return build_model(ModelConfig(name="mlp", hidden=hidden, **MODEL))
 
 
-def make_step(mode, model, world, backend_name, batch):
+def make_step(mode, model, world, backend_name, batch, args):
     """A ``step()`` of the given mode and a function giving ``(grad bytes, state bytes)`` now."""
     import torch
 
@@ -87,7 +87,7 @@ def make_step(mode, model, world, backend_name, batch):
     else:
         from hpctrain.sharding import ShardedOptimizer
 
-        opt = ShardedOptimizer(inner, model, backend, mode)
+        opt = ShardedOptimizer(inner, model, backend, mode, reduction=args.reduce)
 
         def step():
             loss_fn(model(x), y).backward()
@@ -111,7 +111,7 @@ def measure(mode, hidden, world, args):
         torch.manual_seed(0)
         model = build(hidden)
         params = sum(p.numel() for p in model.parameters())
-        step, held, dist = make_step(mode, model, world, args.backend, args.batch)
+        step, held, dist = make_step(mode, model, world, args.backend, args.batch, args)
         times = timed(world.comm, step, args.steps, warmup=args.warmup)
         grad_bytes, state_bytes = held()
     comm = world.comm
@@ -184,6 +184,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=["none", "optimizer", "gradients", "torch_zero"], required=True)
     ap.add_argument("--backend", default="horovod", choices=["horovod", "mpi"])
+    ap.add_argument("--reduce", default="auto", choices=["auto", "allreduce", "reduce_scatter"],
+                    help="comm.shard_reduce of the sharded modes")
     ap.add_argument("--widths", type=int, nargs="+", default=[1440])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)

@@ -166,6 +166,10 @@ class CommConfig:
     # "optimizer" (ZeRO stage 1): each rank keeps and updates 1/N of the optimizer state;
     # "gradients" (stage 2): also only 1/N of the gradients after the reduce-scatter. docs/sharding.md
     shard: str = "none"
+    # How a sharded run reduces the gradients: "allreduce" (buckets during the backward pass, each
+    # rank keeps its slice), "reduce_scatter" (after it: half the bytes on a ring network), or "auto"
+    # (all-reduce on CPUs, where it measured faster here; reduce-scatter on GPUs). docs/sharding.md
+    shard_reduce: str = "auto"
 
 
 @dataclass
@@ -748,6 +752,7 @@ def _check_split(cfg):
 
 
 SHARD_MODES = ("none", "optimizer", "gradients")
+SHARD_REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
 
 
 def _check_shard(c, t):
@@ -757,6 +762,11 @@ def _check_shard(c, t):
         raise ConfigError(f"comm.shard = {c.shard!r} is not one of {', '.join(SHARD_MODES)}",
                           hint=f"did you mean comm.shard = {close!r}?" if close else
                           'comm.shard = "optimizer" (ZeRO stage 1), "gradients" (stage 2) or "none"')
+    if c.shard_reduce not in SHARD_REDUCTIONS:
+        close = _closest(c.shard_reduce, SHARD_REDUCTIONS)
+        raise ConfigError(f"comm.shard_reduce = {c.shard_reduce!r} is not one of {', '.join(SHARD_REDUCTIONS)}",
+                          hint=f"did you mean comm.shard_reduce = {close!r}?" if close else
+                          'comm.shard_reduce = "auto", "allreduce" or "reduce_scatter"')
     if t.clip_grad_norm < 0:
         raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
                           hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")

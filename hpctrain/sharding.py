@@ -6,10 +6,18 @@ in one flat fp32 buffer (the model's tensors become views of it), cut into one c
 slice per rank. A step:
 
     backward passes (gradients summed locally, as without sharding)
-    reduce-scatter: each rank receives the average of its slice only  (backend.reduce_scatter_mean)
+    reduction: each rank gets the average of (at least) its slice         (``comm.shard_reduce``)
     global gradient norm / finiteness: one small all-reduce over the slices
     a real torch optimizer (SGD, Adam, AdamW) updates the slice: its state is 1/N of the whole
     all-gather: every rank's updated slice to every rank               (backend.allgather_flat)
+
+The reduction is either a reduce-scatter after the backward passes (``"reduce_scatter"``:
+each rank receives only its slice, half the bytes of an all-reduce on a ring) or an
+all-reduce of buckets of the flat gradients, each started as soon as the backward pass has
+made all its gradients, so that it travels while the rest of the backward pass runs
+(``"allreduce"``; each rank then keeps its slice). ``"auto"`` takes the all-reduce for CPU
+tensors, where Open MPI's shared-memory ``MPI_Reduce_scatter`` measured 2-3x slower than its
+``MPI_Allreduce`` of the same buffer (docs/sharding.md), and the reduce-scatter on GPUs.
 
 ``"optimizer"`` (stage 1) keeps a persistent flat gradient buffer that the model's gradients
 are views of (no allocation per step); ``"gradients"`` (stage 2) moves each gradient, as the
@@ -30,8 +38,43 @@ to within one row.
 import math
 
 from .errors import ConfigError
+from .flat import views
 
 MODES = ("none", "optimizer", "gradients")
+REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
+BUCKET_BYTES = 25 * 2 ** 20  # an all-reduce bucket (DDP's default size): large enough to be efficient
+
+
+def resolve_reduction(reduction, device):
+    """``"allreduce"`` or ``"reduce_scatter"`` for ``comm.shard_reduce`` on ``device``."""
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"comm.shard_reduce = {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    if reduction == "auto":
+        return "reduce_scatter" if getattr(device, "type", str(device)) == "cuda" else "allreduce"
+    return reduction
+
+
+def gradient_buckets(sizes, limit_elements):
+    """``[(start, stop, [indices])]``: consecutive tensors of ``sizes`` (elements, in flat
+    order) grouped from the last, the order in which a backward pass makes their gradients,
+    each group reaching ``limit_elements`` unless it is the first tensors' (pure).
+
+    >>> gradient_buckets([4, 4, 4], 8)
+    [(4, 12, [2, 1]), (0, 4, [0])]
+    """
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += n
+    buckets, current = [], []
+    for i in reversed(range(len(sizes))):
+        current.append(i)
+        if sum(sizes[j] for j in current) >= limit_elements:
+            buckets.append(current)
+            current = []
+    if current:
+        buckets.append(current)
+    return [(offsets[b[-1]], offsets[b[0]] + sizes[b[0]], b) for b in buckets]
 
 
 def _rows(shape):
@@ -111,13 +154,14 @@ class ShardedOptimizer:
 
     sharded = True
 
-    def __init__(self, optimizer, model, backend, stage="optimizer"):
+    def __init__(self, optimizer, model, backend, stage="optimizer", accumulation=1, reduction="auto"):
         import torch
 
         check_supported(optimizer, model)
         if stage not in MODES[1:]:
             raise ConfigError(f"comm.shard = {stage!r} is not one of {', '.join(MODES)}")
         self.backend, self.model, self.stage = backend, model, stage
+        self.accumulation = max(1, int(accumulation))
         self.rank, self.size = backend.rank, backend.size
         group = optimizer.param_groups[0]
         self.params = list(group["params"])
@@ -134,7 +178,7 @@ class ShardedOptimizer:
         # straight into them, and this rank's slice is the tensor its optimizer updates.
         self.flat = torch.empty(total, dtype=torch.float32, device=device)
         with torch.no_grad():
-            for p, view in zip(self.params, self._views(self.flat)):
+            for p, view in zip(self.params, views(self.flat, self.params)):
                 view.copy_(p)
                 p.data = view
         lo, hi = self.bounds[self.rank]
@@ -145,6 +189,13 @@ class ShardedOptimizer:
         self.optimizer.defaults = dict(optimizer.defaults)
         self.grad_flat = None
         self._accumulated = None  # stage 2: this step's gradients, summed as autograd makes them
+        self.reduction = resolve_reduction(reduction, device)
+        # All-reduce buckets, started in order (the same order on every rank, as MPI needs)
+        # once every gradient of the bucket has arrived from the step's last backward pass.
+        self.buckets = gradient_buckets([p.numel() for p in self.params], BUCKET_BYTES // 4)
+        self._bucket_of = {i: k for k, (_, _, members) in enumerate(self.buckets) for i in members}
+        self._arrived = [0] * len(self.buckets)
+        self._handles = []  # the buckets started this step, in order
         for p in self.params:  # a model trained again (a second fit) must not feed the last optimizer
             handle = getattr(p, "_hpctrain_shard_hook", None)
             if handle is not None:
@@ -152,29 +203,46 @@ class ShardedOptimizer:
                 p._hpctrain_shard_hook = None
         if stage == "optimizer":  # stage 1: gradients accumulate in place into one kept buffer
             self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
-            for p, view in zip(self.params, self._views(self.grad_flat)):
+            for p, view in zip(self.params, views(self.grad_flat, self.params)):
                 p.grad = view
-        else:  # stage 2: each gradient moves into a buffer that lives until the reduce-scatter
-            for i, p in enumerate(self.params):
-                p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._take_grad(i))
+        for i, p in enumerate(self.params):
+            if stage == "gradients" or self.reduction == "allreduce":
+                p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i))
 
-    def _take_grad(self, i):
-        """Stage 2: add parameter ``i``'s new gradient into this step's flat buffer and free
-        it, so that the model's gradients never all exist beside the buffer."""
-        import torch
-
+    def _on_grad(self, i):
+        """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2:
+        add it into this step's flat buffer and free it, so that the model's gradients never
+        all exist beside the buffer. ``"allreduce"``: count it, and start the buckets that
+        the step's last backward pass has completed."""
         off, n = self.offsets[i], self.params[i].numel()
+        bucket = self._bucket_of[i]
 
         def hook(p):
-            if self._accumulated is None:
-                self._accumulated = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
-            self._accumulated[off:off + n].view(p.shape).add_(p.grad)
-            p.grad = None
+            if self.stage == "gradients":
+                self._gradients()[off:off + n].view(p.shape).add_(p.grad)
+                p.grad = None
+            if self.reduction == "allreduce":
+                self._arrived[bucket] += 1
+                self._start_ready_buckets()
         return hook
 
-    def _views(self, flat):
-        for p, off in zip(self.params, self.offsets):
-            yield flat[off:off + p.numel()].view(p.shape)
+    def _gradients(self):
+        """The flat buffer of this step's summed local gradients."""
+        import torch
+
+        if self.grad_flat is not None:
+            return self.grad_flat
+        if self._accumulated is None:
+            self._accumulated = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
+        return self._accumulated
+
+    def _start_ready_buckets(self, all_now=False):
+        while len(self._handles) < len(self.buckets):
+            k = len(self._handles)
+            lo, hi, members = self.buckets[k]
+            if not all_now and self._arrived[k] < len(members) * self.accumulation:
+                return
+            self._handles.append(self.backend.start_average(self._gradients()[lo:hi], name=f"hpctrain.shard.reduce.{k}"))
 
     # ---- what the trainer uses of a torch optimizer
     @property
@@ -186,6 +254,9 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none=True):
+        for handle in self._handles:  # started but never synchronized: a collective cannot be dropped
+            self.backend.wait_average(handle)
+        self._handles, self._arrived = [], [0] * len(self.buckets)
         self.shard.grad = None
         if self.grad_flat is not None:
             self.grad_flat.zero_()  # the model's gradients stay views of it
@@ -198,12 +269,18 @@ class ShardedOptimizer:
         import torch
 
         with torch.no_grad():
-            flat = self.grad_flat
-            if flat is None:  # stage 2: the buffer the hooks filled, freed after the reduce-scatter
-                flat, self._accumulated = self._accumulated, None
-                if flat is None:  # no backward pass reached a parameter
-                    flat = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
-            self.shard.grad = self.backend.reduce_scatter_mean(flat, self.counts)
+            flat = self._gradients()
+            self._accumulated = None  # stage 2: freed once this rank's slice is taken
+            if self.reduction == "allreduce":
+                self._start_ready_buckets(all_now=True)  # those no backward pass completed
+                for handle in self._handles:
+                    self.backend.wait_average(handle)
+                self._handles, self._arrived = [], [0] * len(self.buckets)
+                lo, hi = self.bounds[self.rank]
+                # Stage 1: a view of the kept buffer (zeroed by zero_grad); stage 2: a copy.
+                self.shard.grad = flat[lo:hi] if self.grad_flat is not None else flat[lo:hi].clone()
+            else:
+                self.shard.grad = self.backend.reduce_scatter_mean(flat, self.counts)
 
     def grads_finite(self):
         """True on every rank if every averaged gradient is finite (one all-reduce of a flag)."""
@@ -272,7 +349,7 @@ class ShardedOptimizer:
     def memory(self):
         """Bytes this rank holds of parameters, gradients and optimizer state (tensor accounting)."""
         grads = self.grad_flat.nbytes if self.grad_flat is not None else 0
-        if self.shard.grad is not None:
+        if self.shard.grad is not None and self.shard.grad._base is None:  # not a view of grad_flat
             grads += self.shard.grad.nbytes
         state = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values() if hasattr(t, "nbytes"))
         return {"parameters": self.flat.nbytes, "gradients": grads, "optimizer_state": state}

@@ -84,11 +84,21 @@ class OneRank:
 
     rank, size = 0, 1
 
+    def __init__(self):
+        self.started = []  # the all-reduce buckets, in the order started
+
     def reduce_scatter_mean(self, flat, counts):
         return flat.clone()
 
     def allgather_flat(self, flat, counts):
         pass
+
+    def start_average(self, flat, compress=True, name=None):
+        self.started.append(name)
+        return flat
+
+    def wait_average(self, handle):
+        return handle
 
     def allreduce_mean(self, value):
         return value
@@ -100,8 +110,9 @@ class OneRank:
         pass
 
 
+@pytest.mark.parametrize("reduction", ["allreduce", "reduce_scatter"])
 @pytest.mark.parametrize("stage", ["optimizer", "gradients"])
-def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained_again(stage):
+def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained_again(stage, reduction):
     import torch
 
     torch.manual_seed(0)
@@ -109,7 +120,8 @@ def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained
     ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     ref.load_state_dict(model.state_dict())
     for _ in range(2):  # a second ShardedOptimizer over the same model (a second fit)
-        opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1), model, OneRank(), stage)
+        opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1), model, OneRank(), stage,
+                               accumulation=2, reduction=reduction)
         plain = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
         for _ in range(3):
             xs = [torch.randn(4, 3) for _ in range(2)]  # two micro-batches
@@ -127,3 +139,43 @@ def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained
             for a, b in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
+
+
+def test_gradient_buckets_cover_the_flat_buffer_from_its_end():
+    from hpctrain.sharding import gradient_buckets
+
+    sizes = [5, 3, 8, 2, 7]
+    buckets = gradient_buckets(sizes, 9)
+    assert [b[2] for b in buckets] == [[4, 3], [2, 1], [0]]  # the order backward makes them
+    assert [(lo, hi) for lo, hi, _ in buckets] == [(16, 25), (5, 16), (0, 5)]
+    assert sorted(i for _, _, m in buckets for i in m) == list(range(5))
+    assert gradient_buckets([4], 100) == [(0, 4, [0])]
+
+
+def test_allreduce_buckets_start_during_the_last_backward_pass_in_a_fixed_order():
+    """With accumulation 2, no bucket starts in the first backward pass; in the second, the
+    bucket of the last layer starts before the first layer's gradient exists."""
+    import torch
+
+    from hpctrain import sharding
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    backend = OneRank()
+    seen = []  # the buckets started when the first layer's weight gradient is complete (before its own hook)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(list(backend.started)))
+    old = sharding.BUCKET_BYTES
+    sharding.BUCKET_BYTES = 4 * 10  # 10 elements: the last layer (8 + 2) is one bucket
+    try:
+        opt = ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, backend, "optimizer",
+                               accumulation=2, reduction="allreduce")
+    finally:
+        sharding.BUCKET_BYTES = old
+    assert len(opt.buckets) == 2
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    assert backend.started == [] and seen == [[]]
+    model(x).sum().backward()
+    assert seen[-1] == ["hpctrain.shard.reduce.0"]  # started while the backward pass went on
+    opt.synchronize()
+    assert backend.started == ["hpctrain.shard.reduce.0", "hpctrain.shard.reduce.1"]

@@ -200,8 +200,9 @@ class Trainer:
         if cfg.comm.shard != "none":  # each rank updates its slice (hpctrain.sharding); comm.mode is sync
             from ..sharding import ShardedOptimizer
 
-            optimizer = all_or_none(lambda: ShardedOptimizer(_make_optimizer(model, t, base_lr), model, backend,
-                                                             cfg.comm.shard), comm)
+            optimizer = all_or_none(lambda: ShardedOptimizer(
+                _make_optimizer(model, t, base_lr), model, backend, cfg.comm.shard,
+                accumulation=t.accumulation, reduction=cfg.comm.shard_reduce), comm)
         else:
             optimizer = mode.wrap_optimizer(_make_optimizer(model, t, base_lr), model, t.accumulation)
         scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None

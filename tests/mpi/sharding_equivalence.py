@@ -68,13 +68,17 @@ def main(out, backend):
         if name == "sgd":  # the clipping these runs compare must be at work
             _, unclipped, _ = train(out, backend, opts + ["train.clip_grad_norm=0"])
             assert float(np.abs(unclipped - ref[0]).max()) > 1e-3, "train.clip_grad_norm=0.3 clipped nothing"
-        for mode in ("optimizer", "gradients"):
-            _, *got = train(out, backend, opts + [f"comm.shard={mode}"])
+        # comm.shard_reduce: "auto" is the bucketed all-reduce on CPUs; the reduce-scatter too
+        for mode in ("optimizer", "gradients", "optimizer reduce_scatter", "gradients reduce_scatter"):
+            shard, *reduce = mode.split()
+            _, *got = train(out, backend, opts + [f"comm.shard={shard}"] + [f"comm.shard_reduce={r}" for r in reduce])
             compare(world, f"{name} {mode}", ref, got, rtol=1e-4, atol=1e-5)
-    for name, extra, tol in (("bf16", ["train.precision=bf16"], 1e-3), ("fp16-wire", ["comm.compression=fp16"], 1e-2)):
+    for name, extra, tol in (("bf16", ["train.precision=bf16"], 1e-3), ("fp16-wire", ["comm.compression=fp16"], 1e-2),
+                             ("fp16-wire reduce_scatter", ["comm.compression=fp16"], 1e-2)):
         opts = optimizers["adamw"] + extra
         world, *ref = train(out, backend, opts)
-        _, *got = train(out, backend, opts + ["comm.shard=gradients"])
+        reduce = ["comm.shard_reduce=reduce_scatter"] if "reduce_scatter" in name else []
+        _, *got = train(out, backend, opts + ["comm.shard=gradients"] + reduce)
         compare(world, f"adamw {name} gradients", ref, got, rtol=tol, atol=tol)
     if world.rank == 0:
         print("EQUIVALENCE OK", flush=True)
