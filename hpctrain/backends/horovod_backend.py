@@ -136,9 +136,9 @@ class HorovodBackend(Backend):
 
 
     # ---- sharded training (comm.shard, hpctrain.sharding)
-    # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing, and
-    # hvd.allgather stacks along it: each rank's part travels padded to the longest, as one
-    # row of a (ranks x longest) tensor, so the parts can be cut anywhere.
+    # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing: each
+    # rank's part travels padded to the longest, as one row of a (ranks x longest) tensor, so
+    # the parts can be cut anywhere.
     def _padded(self, flat, counts):
         padded = flat.new_zeros(len(counts), max(max(counts), 1))
         lo = 0
