@@ -85,8 +85,12 @@ def plan(quick, out):
         for mode in ("none", "optimizer", "gradients", "torch_zero"):
             name = f"zero_memory-{mode}-{n}"
             launches.append((name, n, ["zero_memory.py", "--mode", mode] + zero + j(name), 240 if quick else 600))
+        name = f"zero_memory-steps-{n}"  # the step-time ratios: the modes alternated in one launch
+        launches.append((name, n, ["zero_memory.py", "--interleave", "none", "optimizer", "gradients", "torch_zero",
+                                   "--rounds", "1" if quick else "3"] + zero + j(name), 240 if quick else 900))
     limit = (["--widths", "64", "128", "--limit-mib", "8", "--steps", "1", "--warmup", "1", "--batch", "8"] if quick
-             else ["--widths", "1024", "1440", "2048", "2896", "--limit-mib", "1024", "--steps", "3", "--warmup", "1"])
+             else ["--widths", "1024", "1440", "2048", "2432", "2896", "--limit-mib", "1024", "--steps", "3",
+                   "--warmup", "1"])
     for mode in ("none", "optimizer", "gradients"):
         name = f"zero_memory-limit-{mode}-4"
         launches.append((name, 4, ["zero_memory.py", "--mode", mode] + limit + j(name), 240 if quick else 900))

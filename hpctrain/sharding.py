@@ -188,14 +188,17 @@ class ShardedOptimizer:
         self.optimizer.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         self.optimizer.defaults = dict(optimizer.defaults)
         self.grad_flat = None
-        self._accumulated = None  # stage 2: this step's gradients, summed as autograd makes them
+        self._accumulated = None  # stage 2 with a reduce-scatter: this step's gradients, summed as autograd makes them
         self.reduction = resolve_reduction(reduction, device)
         # All-reduce buckets, started in order (the same order on every rank, as MPI needs)
         # once every gradient of the bucket has arrived from the step's last backward pass.
         self.buckets = gradient_buckets([p.numel() for p in self.params], BUCKET_BYTES // 4)
         self._bucket_of = {i: k for k, (_, _, members) in enumerate(self.buckets) for i in members}
         self._arrived = [0] * len(self.buckets)
-        self._handles = []  # the buckets started this step, in order
+        self._started = 0  # buckets started this step
+        self._in_flight = []  # (bucket, handle) started and not yet waited for, oldest first
+        self._bucket_grads = [None] * len(self.buckets)  # stage 2: each bucket's own buffer
+        self._slice_grad = None  # stage 2: this rank's slice of the averaged gradients
         for p in self.params:  # a model trained again (a second fit) must not feed the last optimizer
             handle = getattr(p, "_hpctrain_shard_hook", None)
             if handle is not None:
@@ -209,25 +212,33 @@ class ShardedOptimizer:
             if stage == "gradients" or self.reduction == "allreduce":
                 p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i))
 
+    # Stage 2 waits for the oldest bucket once this many are in flight, so that only a few
+    # buckets' full gradients exist at a time, beside this rank's slice.
+    MAX_IN_FLIGHT = 2
+
     def _on_grad(self, i):
         """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2:
-        add it into this step's flat buffer and free it, so that the model's gradients never
-        all exist beside the buffer. ``"allreduce"``: count it, and start the buckets that
-        the step's last backward pass has completed."""
+        add it into a flat buffer and free it, so that the model's gradients never all exist
+        beside the buffer. ``"allreduce"``: count it, and start the buckets that the step's
+        last backward pass has completed."""
         off, n = self.offsets[i], self.params[i].numel()
-        bucket = self._bucket_of[i]
+        k = self._bucket_of[i]
+        start = self.buckets[k][0]
 
         def hook(p):
             if self.stage == "gradients":
-                self._gradients()[off:off + n].view(p.shape).add_(p.grad)
+                if self.reduction == "allreduce":
+                    self._bucket_tensor(k)[off - start:off - start + n].view(p.shape).add_(p.grad)
+                else:
+                    self._whole()[off:off + n].view(p.shape).add_(p.grad)
                 p.grad = None
             if self.reduction == "allreduce":
-                self._arrived[bucket] += 1
+                self._arrived[k] += 1
                 self._start_ready_buckets()
         return hook
 
-    def _gradients(self):
-        """The flat buffer of this step's summed local gradients."""
+    def _whole(self):
+        """The flat buffer of this step's summed local gradients (reduce-scatter, or stage 1)."""
         import torch
 
         if self.grad_flat is not None:
@@ -236,13 +247,49 @@ class ShardedOptimizer:
             self._accumulated = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
         return self._accumulated
 
+    def _bucket_tensor(self, k):
+        """Bucket ``k``'s gradients: a view of the kept buffer (stage 1), or its own buffer (stage 2)."""
+        import torch
+
+        lo, hi, _ = self.buckets[k]
+        if self.grad_flat is not None:
+            return self.grad_flat[lo:hi]
+        if self._bucket_grads[k] is None:
+            self._bucket_grads[k] = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+        return self._bucket_grads[k]
+
     def _start_ready_buckets(self, all_now=False):
-        while len(self._handles) < len(self.buckets):
-            k = len(self._handles)
-            lo, hi, members = self.buckets[k]
-            if not all_now and self._arrived[k] < len(members) * self.accumulation:
+        while self._started < len(self.buckets):
+            k = self._started
+            if not all_now and self._arrived[k] < len(self.buckets[k][2]) * self.accumulation:
                 return
-            self._handles.append(self.backend.start_average(self._gradients()[lo:hi], name=f"hpctrain.shard.reduce.{k}"))
+            handle = self.backend.start_average(self._bucket_tensor(k), name=f"hpctrain.shard.reduce.{k}")
+            self._in_flight.append((k, handle))
+            self._started += 1
+            while self.stage == "gradients" and len(self._in_flight) > self.MAX_IN_FLIGHT:
+                self._finish_oldest()
+
+    def _finish_oldest(self):
+        """Wait for the oldest bucket in flight; stage 2 keeps only its part of this rank's slice."""
+        import torch
+
+        k, handle = self._in_flight.pop(0)
+        self.backend.wait_average(handle)
+        if self.grad_flat is None:
+            lo, hi, _ = self.buckets[k]
+            slo, shi = self.bounds[self.rank]
+            if self._slice_grad is None:
+                self._slice_grad = torch.zeros(shi - slo, dtype=torch.float32, device=self.flat.device)
+            a, b = max(lo, slo), min(hi, shi)
+            if b > a:
+                self._slice_grad[a - slo:b - slo] = self._bucket_grads[k][a - lo:b - lo]
+            self._bucket_grads[k] = None
+
+    def _reset_buckets(self):
+        while self._in_flight:  # started but never synchronized: a collective cannot be dropped
+            self._finish_oldest()
+        self._started, self._arrived = 0, [0] * len(self.buckets)
+        self._bucket_grads = [None] * len(self.buckets)
 
     # ---- what the trainer uses of a torch optimizer
     @property
@@ -254,32 +301,28 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none=True):
-        for handle in self._handles:  # started but never synchronized: a collective cannot be dropped
-            self.backend.wait_average(handle)
-        self._handles, self._arrived = [], [0] * len(self.buckets)
-        self.shard.grad = None
+        self._reset_buckets()
+        self.shard.grad = self._slice_grad = self._accumulated = None
         if self.grad_flat is not None:
             self.grad_flat.zero_()  # the model's gradients stay views of it
-        else:
-            self._accumulated = None
 
     # ---- one step
     def synchronize(self):
-        """Reduce-scatter the summed local gradients: this rank's slice of their average."""
+        """Reduce the summed local gradients: this rank's slice of their average becomes the
+        gradient its optimizer steps with."""
         import torch
 
         with torch.no_grad():
-            flat = self._gradients()
-            self._accumulated = None  # stage 2: freed once this rank's slice is taken
             if self.reduction == "allreduce":
                 self._start_ready_buckets(all_now=True)  # those no backward pass completed
-                for handle in self._handles:
-                    self.backend.wait_average(handle)
-                self._handles, self._arrived = [], [0] * len(self.buckets)
-                lo, hi = self.bounds[self.rank]
-                # Stage 1: a view of the kept buffer (zeroed by zero_grad); stage 2: a copy.
-                self.shard.grad = flat[lo:hi] if self.grad_flat is not None else flat[lo:hi].clone()
+                self._reset_buckets()
+                if self.grad_flat is not None:  # a view of the kept buffer (zeroed by zero_grad)
+                    lo, hi = self.bounds[self.rank]
+                    self.shard.grad = self.grad_flat[lo:hi]
+                else:
+                    self.shard.grad, self._slice_grad = self._slice_grad, None
             else:
+                flat, self._accumulated = self._whole(), None  # stage 2: freed once the slice is taken
                 self.shard.grad = self.backend.reduce_scatter_mean(flat, self.counts)
 
     def grads_finite(self):

@@ -52,3 +52,25 @@ def test_report_section_gives_the_targets_verdicts():
     zero_memory.section({"zero_memory-none-4": doc("none", 1.0, 8000),
                          "zero_memory-optimizer-4": doc("optimizer", 1.2, 4000)}, verdicts)
     assert [v[2] for v in verdicts] == ["MISSED", "MISSED"]
+
+
+def test_interleaved_launch_alternates_the_modes_and_its_ratio_gives_the_verdict(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zero_memory
+
+    out = tmp_path / "steps.json"
+    mpirun(2, [ROOT / "benchmarks" / "zero_memory.py", "--interleave", "none", "optimizer", "--rounds", "2",
+               "--backend", "mpi", "--widths", "64", "--steps", "1", "--warmup", "1", "--batch", "8", "--out", out],
+           timeout=180, check=True)
+    doc = json.loads(out.read_text())
+    assert [(r["round"], r["mode"]) for r in doc["results"]] == [(0, "none"), (0, "optimizer"), (1, "none"), (1, "optimizer")]
+    for r, step in zip(doc["results"], (1.0, 1.5, 2.0, 2.0)):  # ratios 1.5 and 1.0: median 1.25
+        r["step_s"] = step
+    assert zero_memory.interleaved_ratios(doc["results"]) == {"optimizer": [1.5, 1.0]}
+    verdicts = []
+    lines = zero_memory.section({"zero_memory-steps-2": doc}, verdicts)
+    assert any("| optimizer | " in line and "| 1.25 | 1.00-1.50 |" in line for line in lines), lines
+    assert verdicts == [("comm.shard=optimizer step time <= 1.10x replicated, 2 ranks (interleaved, median of rounds)",
+                         1.25, "MISSED")]
