@@ -47,8 +47,15 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES, help="total bytes")
     parser.add_argument("--tensors", type=int, default=16, help="gradient tensors per size")
     parser.add_argument("--reps-scale", type=float, default=1.0)
+    parser.add_argument("--horovod-cycle-ms", type=float, default=None,
+                        help="HOROVOD_CYCLE_TIME for this launch (Horovod's default: 1 ms): how long its "
+                             "background thread waits between rounds of collecting ready tensors")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.horovod_cycle_ms is not None:
+        import os
+
+        os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_ms)  # read when Horovod starts, below
 
     import numpy as np
     import torch
@@ -87,7 +94,7 @@ def main():
             line = "  ".join(f"{r['path']} {1e3 * r['median_s']:.2f} ms" for r in rows[-len(paths):])
             print(f"allreduce {world.size} ranks {nbytes / MIB:g} MiB: {line}", flush=True)
     write_result(world, args.out, "allreduce", {"backend": args.backend, "tensors": args.tensors,
-                                                 "sizes": args.sizes}, rows)
+                                                 "sizes": args.sizes, "horovod_cycle_ms": args.horovod_cycle_ms}, rows)
     for backend in backends.values():
         backend.close()
 

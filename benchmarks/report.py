@@ -92,6 +92,21 @@ def allreduce_section(docs, verdicts):
                         verdicts.append((f"sync {path.replace('_', ' ')} {size_name(nbytes)} {n} ranks "
                                          f"<= 1.2x fused", get(path), ok(get(path), TARGETS["sync"]),
                                          [f"allreduce-{path.split('_')[0]}-{n}"]))
+    cycle = docs.get("allreduce-horovod-cycle0.2-2")
+    if found and cycle:
+        default = {r["bytes"]: r for r in docs.get("allreduce-horovod-2", {}).get("results", [])
+                   if r["path"] == "horovod_none"}
+        lines += ["", "Horovod's cycle time (`allreduce-horovod-cycle0.2-2`: `HOROVOD_CYCLE_TIME=0.2` ms against "
+                  "the default 1 ms; small buffers, where the wait for the next cycle dominates):", "",
+                  "| size | default: ms, x fused | 0.2 ms cycle: ms, x fused | fused ms (cycle launch) |",
+                  "|---|---|---|---|"]
+        for r in cycle["results"]:
+            if r["path"] != "horovod_none":
+                continue
+            d = default.get(r["bytes"], {})
+            fused = next((x for x in cycle["results"] if x["bytes"] == r["bytes"] and x["path"] == "fused_allreduce"), {})
+            lines.append(f"| {size_name(r['bytes'])} | {fmt(d.get('median_s', 0) * 1e3)}, {fmt(d.get('ratio_to_fused'))} "
+                         f"| {fmt(r['median_s'] * 1e3)}, {fmt(r['ratio_to_fused'])} | {fmt(fused.get('median_s', 0) * 1e3)} |")
     return lines if found else []
 
 

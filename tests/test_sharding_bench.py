@@ -73,4 +73,4 @@ def test_interleaved_launch_alternates_the_modes_and_its_ratio_gives_the_verdict
     lines = zero_memory.section({"zero_memory-steps-2": doc}, verdicts)
     assert any("| optimizer | " in line and "| 1.25 | 1.00-1.50 |" in line for line in lines), lines
     assert verdicts == [("comm.shard=optimizer step time <= 1.10x replicated, 2 ranks (interleaved, median of rounds)",
-                         1.25, "MISSED")]
+                         1.25, "MISSED", ["zero_memory-steps-2"])]
