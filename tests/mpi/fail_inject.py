@@ -113,7 +113,11 @@ def main():
         atexit.register(_report_counts)
     if os.environ.get("FAIL_LOG"):
         _record_resume(os.environ["FAIL_LOG"])
-    args = sys.argv[1:]
+    run_target(sys.argv[1:])
+
+
+def run_target(args):
+    """Run ``args`` (``script.py ...`` or ``-m module ...``) in this process as its ``__main__``."""
     if args[:1] == ["-m"]:
         sys.argv = [args[1]] + args[2:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

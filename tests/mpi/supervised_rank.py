@@ -19,10 +19,11 @@ Test hooks only: nothing here is part of hpctrain.
 """
 import json
 import os
-import runpy
 import signal
 import sys
 import time
+
+from fail_inject import run_target  # the target script, run in this process
 
 
 def _append(path, text):
@@ -72,13 +73,7 @@ def install():
 
 def main():
     install()
-    args = sys.argv[1:]
-    if args[:1] == ["-m"]:
-        sys.argv = [args[1]] + args[2:]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = args
-        runpy.run_path(args[0], run_name="__main__")
+    run_target(sys.argv[1:])
 
 
 if __name__ == "__main__":
