@@ -169,6 +169,9 @@ class MPIBackend(Backend):
         if self._fp16_op is not None:
             self._fp16_op.Free()
             self._fp16_op = None
+        if getattr(self, "_average_comm", None) is not None:  # comm.mode local_sgd/stale, comm.shard
+            self._average_comm.Free()
+            self._average_comm = None
 
     # ---- averaging of flat buffers (comm.mode local_sgd and stale)
     def start_average(self, flat, compress=True, name=None):
