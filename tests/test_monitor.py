@@ -246,3 +246,19 @@ def test_nonfinite_metrics_are_shown_as_nan_and_written_as_null(tmp_path):
     assert "eval at step 2 epoch 0: val_loss inf val_accuracy nan" in text
     assert "step 2 epoch 0 loss nan" in text
     assert "step 2: non-finite gradients (first: 0.weight (NaN)); update skipped (1 in a row)" in text
+
+
+def test_progress_line_and_record_carry_the_highest_peak_memory_of_any_rank():
+    import numpy as np
+
+    from hpctrain.monitoring.display import format_line
+    from hpctrain.monitoring.runlog import timing_fields
+    from hpctrain.monitoring.timing import FIELDS, PhaseTotals
+
+    table = np.zeros((3, len(FIELDS)))
+    table[:, PhaseTotals.STEPS] = 1
+    table[:, PhaseTotals.PEAK_RSS] = [100 * 2 ** 20, 300 * 2 ** 20, 200 * 2 ** 20]
+    fields, _ = timing_fields(table, ["a", "b", "c"], 0.0)
+    assert fields["memory"] == {"peak_rss_mib_max": 300.0, "rank": 1, "host": "b"}
+    assert [r["peak_rss_mib"] for r in fields["ranks"]] == [100.0, 300.0, 200.0]
+    assert "peak mem 300 MiB/rank" in format_line(10, 100, 0, memory_mib=300.4)

@@ -40,3 +40,16 @@ def test_healthy_run_reports_nothing(tmp_path):
     assert "warning" not in result.output
     train = records(tmp_path, "train")
     assert train[-1]["step"] == 30 and train[-1]["gather"]["seconds"] < 1.0
+
+
+def test_the_rank_with_the_highest_peak_memory_is_named(tmp_path):
+    result = mpirun(2, [LOOP, tmp_path, "--steps", "10", "--hog-rank", "1", "--hog-mib", "256"], timeout=150).check()
+    first, last = records(tmp_path, "train")[0], records(tmp_path, "train")[-1]
+    peaks = [r["peak_rss_mib"] for r in last["ranks"]]
+    assert last["memory"]["rank"] == 1 and peaks[1] - peaks[0] > 200, peaks
+    assert last["ranks"][1]["peak_rss_mib"] - first["ranks"][1]["peak_rss_mib"] > 200  # grown at step 6: seen at 10
+    assert f"peak mem {last['memory']['peak_rss_mib_max']:.0f} MiB/rank" in result.stderr
+    from hpctrain.monitoring.report import format_summary, read_metrics, summarize
+
+    summary = format_summary(summarize(read_metrics(tmp_path)))
+    assert f"peak memory: {last['memory']['peak_rss_mib_max']:.0f} MiB resident on rank 1" in summary

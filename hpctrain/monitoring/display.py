@@ -31,8 +31,10 @@ def format_eta(seconds):
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
 
-def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, eta=None):
-    """The plain progress line (pure, for batch logs)."""
+def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, eta=None,
+                memory_mib=None):
+    """The plain progress line (pure, for batch logs). ``memory_mib``: the highest peak
+    resident memory of any rank."""
     parts = [f"step {step}" + (f"/{total}" if total else ""), f"epoch {epoch}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
@@ -42,6 +44,8 @@ def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step
         parts.append(f"{samples_per_s:.1f} samples/s")
     if step_time is not None:
         parts.append(f"{step_time:.3f} s/step")
+    if memory_mib is not None:
+        parts.append(f"peak mem {memory_mib:.0f} MiB/rank")
     if total:
         parts.append(f"ETA {format_eta(eta)}")
     return " ".join(parts)
@@ -81,19 +85,21 @@ class ProgressDisplay:
                 postfix["loss"] = f"{float(loss):.4f}"
             self.bar.set_postfix(postfix, refresh=False)
 
-    def interval(self, step, epoch, loss=None, lr=None, samples_per_s=None, step_time=None):
+    def interval(self, step, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, memory_mib=None):
         """Every ``log_every`` steps: a line in batch mode, throughput in the bar's postfix."""
         eta = None
         if self.total and step_time:
             eta = (self.total - step) * step_time
         if self.mode == "log":
-            self._write(format_line(step, self.total, epoch, loss, lr, samples_per_s, step_time, eta))
+            self._write(format_line(step, self.total, epoch, loss, lr, samples_per_s, step_time, eta, memory_mib))
         elif self.mode == "bar" and self.bar is not None:
             postfix = {"epoch": epoch}
             if loss is not None:
                 postfix["loss"] = f"{loss:.4f}"
             if samples_per_s is not None:
                 postfix["samples/s"] = f"{samples_per_s:.1f}"
+            if memory_mib is not None:
+                postfix["mem"] = f"{memory_mib:.0f}MiB"
             self.bar.set_postfix(postfix)
 
     def message(self, text):

@@ -33,7 +33,7 @@ from ..replicas import tensor_fingerprint
 from ..world import node_name
 from .runlog import RunLog
 from .slownodes import SlowRankDetector
-from .timing import FIELDS, PhaseTotals
+from .timing import FIELDS, PhaseTotals, peak_rss_bytes
 
 
 def replica_fingerprints(model):
@@ -107,6 +107,7 @@ class Monitor:
     def _gather_timings(self):
         """Collective: every rank's totals to rank 0, as ``(table, seconds)`` there, else None."""
         table = np.empty((self.comm.Get_size(), len(FIELDS))) if self.root is not None else None
+        self.totals.values[PhaseTotals.PEAK_RSS] = peak_rss_bytes()
         start = time.perf_counter()
         self.comm.Gather(self.totals.values, table, root=0)
         seconds = time.perf_counter() - start

@@ -189,6 +189,7 @@ def summarize(records):
                    "median_work": median, "ratio": float(means[rank] / median) if median > 0 else math.inf}
     saves = [r["seconds"] for r in _kind(records, "checkpoint") if r.get("seconds") is not None]
     gathers = [r["gather"] for r in train if r.get("gather")]
+    memory = max((r["memory"] for r in train if r.get("memory")), key=lambda m: m["peak_rss_mib_max"], default=None)
     evals = _kind(records, "eval")
     return {
         "steps": max(steps) if steps else 0,
@@ -200,6 +201,7 @@ def summarize(records):
         "last_eval": {k: v for k, v in evals[-1].items() if k not in ("kind", "time", "timestamp")} if evals else None,
         "ranks": max(len(hosts), matrix.shape[0]),
         "slowest": slowest,
+        "peak_memory": memory,  # the highest peak resident memory of any rank, and which
         "slow_rank_reports": [{k: r.get(k) for k in ("rank", "host", "phase", "ratio", "step")}
                               for r in _kind(records, "slow_rank")],
         "divergences": [{"step": r.get("step"), "ranks": r.get("ranks")} for r in _kind(records, "divergence")],
@@ -231,6 +233,10 @@ def format_summary(s):
         values = ", ".join(f"{k} {'nan' if v is None else format(v, '.4g')}" for k, v in s["last_eval"].items()
                            if k not in ("step", "epoch") and (v is None or isinstance(v, (int, float))))
         lines.append(f"last evaluation (step {s['last_eval'].get('step')}): {values}")
+    if s.get("peak_memory"):
+        m = s["peak_memory"]
+        lines.append(f"peak memory: {m['peak_rss_mib_max']:.0f} MiB resident on rank {m['rank']} ({m['host']}), "
+                     f"the most of any rank")
     if s["slowest"]:
         w = s["slowest"]
         lines.append(f"slowest rank: {w['rank']} on {w['host']}: {w['work'] * 1e3:.1f} ms of work per step, "

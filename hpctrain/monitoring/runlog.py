@@ -89,12 +89,16 @@ def timing_fields(table, hosts, gather_seconds):
                "step_time_max": float(table[r, T.WALL_MAX]), "work": float(work[r])}
         row.update({p: float(phase_means[r, i]) for i, p in enumerate(PHASES)})
         row["other"] = float(table[r, T.OTHER] / steps[r])
+        row["peak_rss_mib"] = float(table[r, T.PEAK_RSS]) / 2 ** 20
         ranks.append(row)
+    top = int(np.argmax(table[:, T.PEAK_RSS]))
     interval_seconds = float(table[0, T.WALL])
     return {
         "phases": {p: {"mean": float(phase_means[:, i].mean()), "max": float(phase_means[:, i].max())}
                    for i, p in enumerate(PHASES)},
         "ranks": ranks,
+        # the highest resident memory any rank has reached so far: what a memory limit meets
+        "memory": {"peak_rss_mib_max": ranks[top]["peak_rss_mib"], "rank": top, "host": hosts[top]},
         "gather": {"seconds": gather_seconds, "max_seconds_prev": float(table[:, T.GATHER].max()),
                    "steps": int(table[0, T.STEPS]),
                    # the gather's cost against the steps it covers
@@ -211,7 +215,9 @@ class RunLog:
         self.writer.scalars("train", {k: record[k] for k in ("loss", "lr", "samples_per_s", "step_time")}, step)
         for phase, stats in record.get("phases", {}).items():
             self.writer.scalars("phase_mean", {phase: stats["mean"]}, step)
-        self.display.interval(step, epoch, shown_loss, record["lr"], record["samples_per_s"], record["step_time"])
+        memory = record.get("memory", {}).get("peak_rss_mib_max")
+        self.display.interval(step, epoch, shown_loss, record["lr"], record["samples_per_s"], record["step_time"],
+                              memory)
         self.interval = self._new_interval(start=time.perf_counter())
 
     def _digest(self, step, table, gather_seconds):

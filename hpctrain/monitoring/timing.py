@@ -22,7 +22,15 @@ import numpy as np
 #: The phases of one training step, in the order they are timed, gathered and written.
 PHASES = ("data", "forward_backward", "allreduce_wait", "optimizer", "checkpoint")
 #: What :class:`PhaseTotals` holds per rank, in this order (one gathered row).
-FIELDS = ("steps", "wall_sum", "wall_max") + tuple(f"{p}_sum" for p in PHASES) + ("other_sum", "gather_s")
+FIELDS = ("steps", "wall_sum", "wall_max") + tuple(f"{p}_sum" for p in PHASES) + ("other_sum", "gather_s",
+                                                                                  "peak_rss_bytes")
+
+
+def peak_rss_bytes():
+    """This process's peak resident memory so far (``ru_maxrss``: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PhaseTimer:
@@ -68,6 +76,7 @@ class PhaseTotals:
     STEPS, WALL, WALL_MAX, PHASE0 = 0, 1, 2, 3
     OTHER = PHASE0 + len(PHASES)
     GATHER = OTHER + 1
+    PEAK_RSS = GATHER + 1  # filled in just before a gather
 
     def __init__(self):
         self.values = np.zeros(len(FIELDS))

@@ -28,6 +28,8 @@ parser.add_argument("--gather-every", type=int, default=5)
 parser.add_argument("--log-every", type=int, default=5)
 parser.add_argument("--consistency-every", type=int, default=0)
 parser.add_argument("--progress", default="log")
+parser.add_argument("--hog-rank", type=int, default=-1, help="this rank holds --hog-mib more memory from step 6 on")
+parser.add_argument("--hog-mib", type=int, default=64)
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
@@ -47,6 +49,8 @@ for step in range(1, args.steps + 1):
     t0 = time.perf_counter()
     # data: a sleep stands for reading a batch; the slow rank reads slowly
     time.sleep(args.data_seconds + (args.slow_seconds if rank == args.slow_rank else 0.0))
+    if step == 6 and rank == args.hog_rank:
+        hog = np.ones(args.hog_mib * 2 ** 20 // 8)  # touched: resident
     x = torch.randn(batch, 8, generator=generator)
     y = x.sum(dim=1, keepdim=True)
     t1 = time.perf_counter()
