@@ -385,12 +385,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
             except OSError:
                 pass
         comm.Barrier()
-        if not failed:
-            try:
-                with or_abort("flushing", path, rank):
-                    f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
-            except Exception as exc:
-                errors.append(f"flushing: {_describe(exc)}")
+        # No flush (MPI_File_sync) here: closing writes the metadata, and every rank then
+        # fsyncs the file itself (:func:`sync_started`), while the verification re-reads it.
     finally:
         if f is not None:
             try:
@@ -436,12 +432,40 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
                 except Exception as exc:
                     raise CheckpointError(f"writing {path} failed: /{d.path}: {_describe(exc)}",
                                           hint=_hint([str(exc)])) from exc
-            f.flush()
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"writing {path} failed: {_describe(exc)}", hint=_hint([str(exc)])) from exc
     return checksums
+
+
+def sync_started(path, parallel, rank):
+    """Start fsyncing ``path`` on this rank (every rank when ``parallel``, so that each node's
+    writes reach the file system, as ``MPI_File_sync`` would have; rank 0 alone otherwise) in a
+    thread: the disk writes back while this thread re-reads and checksums from memory.
+    Returns ``finish()``, which waits for it and returns its error messages (``[]``: durable)."""
+    if not parallel and rank != 0:
+        return lambda: []
+    errors = []
+
+    def run():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            errors.append(f"fsync: {_describe(exc)}")
+
+    thread = threading.Thread(target=run, name="hpctrain-checkpoint-fsync", daemon=True)
+    thread.start()
+
+    def finish():
+        thread.join()
+        return errors
+
+    return finish
 
 
 def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES):
