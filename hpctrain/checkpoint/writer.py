@@ -25,6 +25,7 @@ import zlib
 
 import numpy as np
 
+from .. import fsutil
 from ..coordination import any_rank, everywhere, on_root, raise_if_any
 from ..errors import CheckpointError
 from . import format as fmt
@@ -450,11 +451,7 @@ def sync_started(path, parallel, rank):
 
     def run():
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsutil.fsync_path(path)
         except Exception as exc:
             errors.append(f"fsync: {_describe(exc)}")
 
