@@ -134,11 +134,11 @@ def _prepare(final, comm, parallel, run_config=None, metrics=None, reason="manua
 
 def write_verified(plan, info, comm, parallel, verify, background=False):
     """Collective: write the temp file and check it; remove it on any failure.
-    ``background``: small write calls, so that training runs between them."""
+    ``background``: small, independent write calls, so that training runs between them."""
     tmp = info["tmp"]
     call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
     try:
-        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes)
+        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
         # Every rank fsyncs the file while the ranks re-read and checksum it: the disk
         # writes back while the CPUs verify, instead of one after the other.
         synced = writer.sync_started(tmp, parallel, comm.Get_rank())

@@ -228,9 +228,10 @@ def create_layout(f, plan, checksums):
 
 
 # Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
-# calls small enough for the training thread to run between them; a save in the foreground
-# makes fewer, larger calls (each collective call waits for the slowest rank).
-CALL_BYTES = 32 << 20
+# calls small enough for the training thread to run between them (and writes independently:
+# no call waits for another rank's background thread, which training slows down); a save in
+# the foreground makes fewer, larger calls (each collective call waits for the slowest rank).
+CALL_BYTES = 4 << 20
 FOREGROUND_CALL_BYTES = 512 << 20
 
 
@@ -318,13 +319,14 @@ def or_abort(what, path, rank, errors=(), seconds=None):
         timer.cancel()
 
 
-def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
+def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     """All ranks write ``plan`` into a new file ``path`` (collective); returns the checksums.
 
     Datasets split among ranks are written in collective calls of up to ``call_bytes``
     per rank; a dataset that one rank holds whole is written by that rank alone
     (independent I/O), so small tensors cost no collective call and no rank waits on
-    another's small write."""
+    another's small write. ``collective=False``: every piece is written independently
+    (a background save: its ranks do not wait for each other between calls)."""
     import h5py
 
     rank = comm.Get_rank()
@@ -356,7 +358,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
             except OSError as exc:
                 errors.append(f"writing /{d.path}: {_describe(exc)}")
                 region = None  # still enter the collectives, with nothing
-            if len(d.pieces) == 1:
+            if len(d.pieces) == 1 or not collective:
                 if region is not None:
                     alone.append((d, dset, region))
                 continue
@@ -465,9 +467,10 @@ def sync_started(path, parallel, rank):
     return finish
 
 
-def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES):
+def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES, collective=True):
     """Write ``plan`` to ``path`` on every rank's behalf; the same outcome on all ranks.
-    Without ``parallel`` the plan must give everything to rank 0."""
+    Without ``parallel`` the plan must give everything to rank 0. ``collective``: see
+    :func:`write_parallel`."""
     if parallel:
-        return write_parallel(path, plan, comm, call_bytes)
+        return write_parallel(path, plan, comm, call_bytes, collective)
     return on_root(lambda: write_serial(path, plan, call_bytes), comm)
