@@ -137,7 +137,7 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path, async_save):
     assert a["progress"] == b["progress"]
 
 
-SCENARIOS = ["retention", "latest_failure", "async_same", "corrupt_fallback", "truncated", "missing_dataset",
+SCENARIOS = ["retention", "latest_failure", "async_failure", "async_same", "corrupt_fallback", "truncated", "missing_dataset",
              "wrong_version", "shape_mismatch", "unwritable", "consistency"]
 
 
@@ -145,7 +145,7 @@ def test_scenarios(tmp_path):
     result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, *SCENARIOS], timeout=TIMEOUT).check()
     for name in SCENARIOS:
         ranks_say(result, f"{name} OK", 2)
-    for name in ["latest_failure", "corrupt_fallback", "truncated", "missing_dataset", "wrong_version",
+    for name in ["latest_failure", "async_failure", "corrupt_fallback", "truncated", "missing_dataset", "wrong_version",
                  "shape_mismatch", "unwritable", "consistency"]:
         ranks_say(result, f"{name} ERROR: ", 2)
     assert "skipping checkpoint" in result.stderr and "/model/fc1.weight" in result.stderr

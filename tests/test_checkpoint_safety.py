@@ -20,14 +20,15 @@ def test_load_latest_skips_damaged_and_ignores_resume_setting(tmp_path):
     assert "skipping checkpoint" in result.stderr
 
 
-SCENARIOS = ["nan_refused", "nan_in_foreign_file", "rollback", "latest_write_fails", "async_overlaps"]
+SCENARIOS = ["nan_refused", "nan_in_foreign_file", "rollback", "latest_write_fails", "fsync_fails_on_one_rank",
+             "async_overlaps"]
 
 
 def test_scenarios(tmp_path, capsys):
     result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, *SCENARIOS], timeout=TIMEOUT).check()
     for name in SCENARIOS:
         ranks_say(result, f"{name} OK", 2)
-    for name in ("nan_refused", "latest_write_fails"):
+    for name in ("nan_refused", "latest_write_fails", "fsync_fails_on_one_rank"):
         ranks_say(result, f"{name} ERROR: ", 2)
     # a resumed run says so at the default level, on rank 0 only
     said = [line for line in result.stdout.splitlines() if line.startswith("hpctrain: resumed from")]

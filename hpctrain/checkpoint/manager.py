@@ -134,14 +134,21 @@ def _prepare(final, comm, parallel, run_config=None, metrics=None, reason="manua
 
 def write_verified(plan, info, comm, parallel, verify, background=False):
     """Collective: write the temp file and check it; remove it on any failure.
-    ``background``: small write calls, so that training runs between them."""
+    ``background``: small, independent write calls, so that training runs between them."""
     tmp = info["tmp"]
     call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
     try:
-        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes)
-        if verify:
-            expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
-            reader.verify_written(tmp, expected, comm, parallel)
+        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
+        # Every rank fsyncs the file while the ranks re-read and checksum it: the disk
+        # writes back while the CPUs verify, instead of one after the other.
+        synced = writer.sync_started(tmp, parallel, comm.Get_rank())
+        try:
+            if verify:
+                expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
+                reader.verify_written(tmp, expected, comm, parallel)
+        finally:
+            problems = synced()
+        writer.agree(problems, comm, tmp, "syncing")
     except BaseException:
         if comm.Get_rank() == 0:
             fsutil.remove_quietly(tmp)

@@ -18,7 +18,10 @@ from .writer import agree, combine_checksums
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-VERIFY_BYTES = 32 << 20  # bytes read at a time when only checksumming (one reused buffer)
+# Bytes read at a time when only checksumming (one reused buffer): small enough that the
+# checksum finds the block still in cache, and that h5py (which holds the GIL for a whole
+# read) lets the training thread run between reads when a background save verifies.
+VERIFY_BYTES = 4 << 20
 
 
 def _attr(value):

@@ -25,6 +25,7 @@ import zlib
 
 import numpy as np
 
+from .. import fsutil
 from ..coordination import any_rank, everywhere, on_root, raise_if_any
 from ..errors import CheckpointError
 from . import format as fmt
@@ -227,9 +228,10 @@ def create_layout(f, plan, checksums):
 
 
 # Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
-# calls small enough for the training thread to run between them; a save in the foreground
-# makes fewer, larger calls (each collective call waits for the slowest rank).
-CALL_BYTES = 32 << 20
+# calls small enough for the training thread to run between them (and writes independently:
+# no call waits for another rank's background thread, which training slows down); a save in
+# the foreground makes fewer, larger calls (each collective call waits for the slowest rank).
+CALL_BYTES = 4 << 20
 FOREGROUND_CALL_BYTES = 512 << 20
 
 
@@ -317,13 +319,14 @@ def or_abort(what, path, rank, errors=(), seconds=None):
         timer.cancel()
 
 
-def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
+def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     """All ranks write ``plan`` into a new file ``path`` (collective); returns the checksums.
 
     Datasets split among ranks are written in collective calls of up to ``call_bytes``
     per rank; a dataset that one rank holds whole is written by that rank alone
     (independent I/O), so small tensors cost no collective call and no rank waits on
-    another's small write."""
+    another's small write. ``collective=False``: every piece is written independently
+    (a background save: its ranks do not wait for each other between calls)."""
     import h5py
 
     rank = comm.Get_rank()
@@ -355,7 +358,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
             except OSError as exc:
                 errors.append(f"writing /{d.path}: {_describe(exc)}")
                 region = None  # still enter the collectives, with nothing
-            if len(d.pieces) == 1:
+            if len(d.pieces) == 1 or not collective:
                 if region is not None:
                     alone.append((d, dset, region))
                 continue
@@ -385,12 +388,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES):
             except OSError:
                 pass
         comm.Barrier()
-        if not failed:
-            try:
-                with or_abort("flushing", path, rank):
-                    f.flush()  # MPI_File_sync: the data is on the file system before anyone renames
-            except Exception as exc:
-                errors.append(f"flushing: {_describe(exc)}")
+        # No flush (MPI_File_sync) here: closing writes the metadata, and every rank then
+        # fsyncs the file itself (:func:`sync_started`), while the verification re-reads it.
     finally:
         if f is not None:
             try:
@@ -436,7 +435,6 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
                 except Exception as exc:
                     raise CheckpointError(f"writing {path} failed: /{d.path}: {_describe(exc)}",
                                           hint=_hint([str(exc)])) from exc
-            f.flush()
     except CheckpointError:
         raise
     except Exception as exc:
@@ -444,9 +442,35 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
     return checksums
 
 
-def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES):
+def sync_started(path, parallel, rank):
+    """Start fsyncing ``path`` on this rank (every rank when ``parallel``, so that each node's
+    writes reach the file system, as ``MPI_File_sync`` would have; rank 0 alone otherwise) in a
+    thread: the disk writes back while this thread re-reads and checksums from memory.
+    Returns ``finish()``, which waits for it and returns its error messages (``[]``: durable)."""
+    if not parallel and rank != 0:
+        return lambda: []
+    errors = []
+
+    def run():
+        try:
+            fsutil.fsync_path(path)
+        except Exception as exc:
+            errors.append(f"fsync: {_describe(exc)}")
+
+    thread = threading.Thread(target=run, name="hpctrain-checkpoint-fsync", daemon=True)
+    thread.start()
+
+    def finish():
+        thread.join()
+        return errors
+
+    return finish
+
+
+def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES, collective=True):
     """Write ``plan`` to ``path`` on every rank's behalf; the same outcome on all ranks.
-    Without ``parallel`` the plan must give everything to rank 0."""
+    Without ``parallel`` the plan must give everything to rank 0. ``collective``: see
+    :func:`write_parallel`."""
     if parallel:
-        return write_parallel(path, plan, comm, call_bytes)
+        return write_parallel(path, plan, comm, call_bytes, collective)
     return on_root(lambda: write_serial(path, plan, call_bytes), comm)

@@ -231,6 +231,37 @@ def latest_write_fails():
     say("latest_write_fails", "OK new file kept, latest untouched, resumed from step 2")
 
 
+def fsync_fails_on_one_rank():
+    """Every rank fsyncs the temp file (while the file is re-read): when rank 1's fsync fails,
+    every rank raises the same error naming it, no temp file is left, `latest` stays."""
+    d = fresh_dir("fsync_fails")
+    state = cc.make_state(seed=3)
+    mgr = CheckpointManager(d, W, cc.config(keep_last=1), None)
+    train_and_save(mgr, state, [1])
+    real = fsutil.fsync_path
+
+    def failing(path, directory=False):
+        if W.rank == 1 and ".tmp-" in os.path.basename(path):
+            raise OSError(errno.EIO, "Input/output error (injected into the fsync of the temp file)")
+        return real(path, directory)
+
+    fsutil.fsync_path = failing
+    try:
+        cc.step_once(state, 1)
+        expect_error("fsync_fails_on_one_rank", lambda: mgr.save(state), "syncing", "ckpt-00000002.h5.tmp-",
+                     "rank 1", "Input/output error")
+    finally:
+        fsutil.fsync_path = real
+    W.comm.Barrier()
+    assert read_latest(d) == "ckpt-00000001.h5"
+    assert sorted(os.listdir(d)) == ["ckpt-00000001.h5", "latest"], os.listdir(d)
+    cc.step_once(state, 2)
+    mgr.save(state)
+    mgr.close()
+    assert read_latest(d) == "ckpt-00000003.h5"
+    say("fsync_fails_on_one_rank", "OK")
+
+
 def one_rank_cannot_extend():
     """Rank 1 alone may not grow files past 64 KiB (RLIMIT_FSIZE: its writes fail with
     EFBIG inside HDF5's own calls). Either every rank raises the same CheckpointError naming

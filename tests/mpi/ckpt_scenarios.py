@@ -78,6 +78,31 @@ def latest_failure():
     say("latest_failure", "OK latest kept after the failure, moved after the next success")
 
 
+def async_failure():
+    """A background save writes independently: one rank's failed write still ends as the
+    same error on every rank (at wait()), with no temp file left and `latest` kept."""
+    d = fresh_dir("async_failure")
+    mgr, state = saved_state(d, [1], cfg=cc.config(async_save=True))
+    mgr.wait()
+    call_bytes, writer.CALL_BYTES = writer.CALL_BYTES, 64 << 10  # several calls per large dataset
+    writer.FAULT = {"rank": 1, "path": "model/fc1.weight"}
+    state.progress.step = 2
+    try:
+        mgr.save(state)
+        expect_error("async_failure", mgr.wait, "model/fc1.weight", "ckpt-00000002.h5.tmp-", "rank 1")
+    finally:
+        writer.FAULT = None
+        writer.CALL_BYTES = call_bytes
+    W.comm.Barrier()
+    assert read_latest(d) == "ckpt-00000001.h5"
+    assert files(d) == ["ckpt-00000001.h5", "latest"], files(d)
+    state.progress.step = 3
+    mgr.save(state)
+    mgr.close()
+    assert read_latest(d) == "ckpt-00000003.h5" and not verify_checkpoint(os.path.join(d, "ckpt-00000003.h5"))
+    say("async_failure", "OK")
+
+
 def async_same():
     d_sync, d_async = fresh_dir("sync"), fresh_dir("async")
     state = cc.make_state(seed=4)
@@ -86,13 +111,13 @@ def async_same():
     sync = CheckpointManager(d_sync, W, cc.config(), {"x": 1})
     sync.save(state, metrics={"val_loss": 1.0})
     backgr = CheckpointManager(d_async, W, cc.config(async_save=True), {"x": 1})
-    writer.CALL_BYTES = 64 << 10  # many collective calls per large dataset
+    call_bytes, writer.CALL_BYTES = writer.CALL_BYTES, 64 << 10  # many independent calls per large dataset
     try:
         backgr.save(state, metrics={"val_loss": 1.0})
         cc.step_once(state, 5)  # training goes on (and changes every tensor) while it writes
         backgr.close()
     finally:
-        writer.CALL_BYTES = 32 << 20
+        writer.CALL_BYTES = call_bytes
     if W.rank == 0:
         a, b = (h5py.File(os.path.join(x, "ckpt-00000005.h5"), "r") for x in (d_sync, d_async))
         volatile = {"created", "created_unix", "metadata_crc32"}  # the checksum covers the time
