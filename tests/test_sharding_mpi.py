@@ -217,3 +217,13 @@ def test_example_trains_sharded_and_resumes_on_other_rank_counts(tmp_path):
     third = hpctrain(1, "train", "examples/large_mlp.toml", "train.max_steps=6", *small, timeout=TIMEOUT).check()
     assert "at step 5" in third.stdout and "done at step 6" in third.stdout
     assert (checkpoints / "latest").read_text().strip() == "ckpt-00000006.h5"
+
+
+@pytest.mark.parametrize("backend", ["horovod", "mpi"])
+def test_flat_collectives_on_uneven_parts_including_an_empty_one(backend):
+    if backend == "horovod" and not _have_horovod():
+        pytest.skip("Horovod is not installed (make setup)")
+    result = mpirun(3, [SCRIPTS / "flat_collectives.py", backend], timeout=120).check()
+    assert f"FLAT OK {backend}" in result.stdout
+    if backend == "horovod":  # the GPU path's broadcasts, run on CPU tensors
+        assert "allgather_by_broadcasts" in result.stdout

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..compression import get_compressor
 from ..flat import views
-from .base import Backend
+from .base import Backend, allgather_in_place
 
 # Bytes per fused buffer: few enough calls that latency does not dominate, small enough
 # that the extra copy does not double peak memory for a large model.
@@ -231,11 +231,7 @@ class MPIBackend(Backend):
 
     def allgather_flat(self, flat, counts):
         # The parameters' flat buffer is float32 (hpctrain.sharding checks it).
-        displs = [sum(counts[:r]) for r in range(len(counts))]
-        host = flat.detach().cpu()  # the same memory on the CPU
-        self.comm.Allgatherv(self.MPI.IN_PLACE, [host.numpy(), list(counts), displs, self.MPI.FLOAT])
-        if host.data_ptr() != flat.data_ptr():
-            flat.copy_(host)
+        allgather_in_place(self.comm, flat, counts)
 
     def broadcast_tensor(self, tensor, root=0):
         import torch
