@@ -158,6 +158,9 @@ def init_world(comm=None, pin=True, check=True):
 
     Raises :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree.
     """
+    from . import allocator
+
+    allocator.tune()  # before the model and its buffers are allocated
     info = launch_info()
     if check and problems_before_mpi(info):
         raise LaunchError("\n".join(problems_before_mpi(info)))

@@ -179,3 +179,4 @@ def test_allreduce_buckets_start_during_the_last_backward_pass_in_a_fixed_order(
     assert seen[-1] == ["hpctrain.shard.reduce.0"]  # started while the backward pass went on
     opt.synchronize()
     assert backend.started == ["hpctrain.shard.reduce.0", "hpctrain.shard.reduce.1"]
+

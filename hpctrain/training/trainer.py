@@ -238,6 +238,9 @@ class Trainer:
                   f"{sampler.ranks} {'replicas' if split else 'ranks'} x {t.accumulation}; "
                   f"{sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
+        from .. import allocator
+
+        self._log(allocator.tune())  # what hpctrain set for the user (docs/performance.md)
         for note in getattr(cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
             self._log(note)
         if split is not None:

@@ -1,0 +1,61 @@
+"""The C library's allocator, tuned for training when the user has not tuned it.
+
+glibc's ``malloc`` serves a block larger than its mmap threshold (128 KiB, rising to at most
+32 MiB as blocks are freed) with a fresh ``mmap`` and unmaps it when freed, and it returns
+the top of its heap to the system beyond the trim threshold. A training step allocates and
+frees the same large temporaries every step (gradients, an optimizer's intermediate
+tensors), so each step faults those pages in again and zeroes them. Measured on a 25M-
+parameter MLP, 2 ranks, one thread each: AdamW over one 12.7M-element slice took 89-95 ms a
+step with glibc's defaults and 35 ms with the thresholds below (replicated: 68-78 ms against
+60 ms), the whole step 296-301 against 272 ms replicated.
+
+Freed memory then stays with the process for reuse instead of going back to the system; it
+never exceeds the process's own peak. ``HPCTRAIN_MALLOC=system`` keeps glibc's defaults, and
+so does any setting of the user's own (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_TOP_PAD_``, or jemalloc/tcmalloc/mimalloc in ``LD_PRELOAD``).
+"""
+import ctypes
+import ctypes.util
+import os
+import platform
+
+MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap, and are reused
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before returning it
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+_done = None
+
+
+def why_not(environ=None):
+    """Why the allocator is left as it is (a sentence), or None to tune it (pure but for ``platform``)."""
+    env = os.environ if environ is None else environ
+    if env.get("HPCTRAIN_MALLOC", "") == "system":
+        return "HPCTRAIN_MALLOC=system"
+    own = [k for k in _USERS_OWN if k in env]
+    if own:
+        return f"{own[0]} is set"
+    preload = env.get("LD_PRELOAD", "")
+    other = [a for a in _OTHER_ALLOCATORS if a in preload]
+    if other:
+        return f"{other[0]} is preloaded"
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return "not glibc"
+    return None
+
+
+def tune(environ=None):
+    """Set glibc's thresholds once per process, unless :func:`why_not`; returns what was
+    done, as a phrase for the run's first lines."""
+    global _done
+    if _done is not None:
+        return _done
+    reason = why_not(environ)
+    if reason is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        reason = None if ok else "mallopt refused"
+    _done = (f"malloc keeps blocks up to {MMAP_THRESHOLD >> 20} MiB for reuse (HPCTRAIN_MALLOC=system: glibc's defaults)"
+             if reason is None else f"malloc as it is ({reason})")
+    return _done
