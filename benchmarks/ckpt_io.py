@@ -8,6 +8,8 @@ after the other on the same state:
 * ``raw``: rank 0 writes every tensor with numpy ``tofile`` into one file, then fsync;
   reads them back with ``readinto`` (the bandwidth the disk gives one process);
 * ``torch``: rank 0 ``torch.save`` + fsync; ``torch.load`` + ``load_state_dict``;
+* ``torch_all``: the same file, loaded by every rank (a replicated resume with torch: each
+  rank needs the whole state);
 * ``hpctrain``: ``save_checkpoint`` on every rank (checksums, collective write, verify,
   fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
 * ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank.
@@ -134,11 +136,14 @@ def remove(path):
 # ---------------------------------------------------------------- one method, timed
 
 def measure(world, name, path, save, load, collective):
-    """Save then load once; the slowest rank's seconds and peak extra memory."""
+    """Save then load once; the slowest rank's seconds and peak extra memory. ``collective``:
+    every rank saves and loads (True), rank 0 only (False), or rank 0 saves and every rank
+    loads (``"load"``)."""
     from mpi4py import MPI
 
     comm = world.comm
-    active = collective or world.rank == 0
+    active = collective is True or world.rank == 0
+    loading = bool(collective) or world.rank == 0
     gc.collect()
     comm.Barrier()
     t_save = peak = t_load = t_warm = 0.0
@@ -154,12 +159,12 @@ def measure(world, name, path, save, load, collective):
         size = file_bytes(path)
         drop_file_cache(path)
     comm.Barrier()
-    if active and load is not None:
+    if loading and load is not None:
         t0 = time.perf_counter()
         load()
         t_load = time.perf_counter() - t0
     comm.Barrier()
-    if active and load is not None:
+    if loading and load is not None:
         t0 = time.perf_counter()
         load()  # warm: the file is in the page cache now
         t_warm = time.perf_counter() - t0
@@ -243,7 +248,8 @@ def main():
     parser.add_argument("--state-mib", type=float, default=1100, help="checkpointed bytes (MiB)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
-    parser.add_argument("--methods", nargs="*", default=["raw", "torch", "hpctrain", "hpctrain_noverify", "dcp"])
+    parser.add_argument("--methods", nargs="*",
+                        default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "dcp"])
     parser.add_argument("--stall", action="store_true", help="also measure the training stall")
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
@@ -278,11 +284,14 @@ def main():
             dcp_error = f"{type(exc).__name__}: {exc}"
 
     def path(name):
-        return os.path.join(directory, {"raw": "raw.bin", "torch": "state.pt", "dcp": "dcp"}.get(name, f"{name}.h5"))
+        return os.path.join(directory, {"raw": "raw.bin", "torch": "state.pt", "torch_all": "state-all.pt",
+                                        "dcp": "dcp"}.get(name, f"{name}.h5"))
 
     methods = {
         "raw": (lambda: raw_save(path("raw"), tensors), lambda: raw_load(path("raw"), tensors), False),
         "torch": (lambda: torch_save(path("torch"), state), lambda: torch_load(path("torch"), state), False),
+        "torch_all": (lambda: torch_save(path("torch_all"), state), lambda: torch_load(path("torch_all"), state),
+                      "load"),
         "hpctrain": (lambda: save_checkpoint(path("hpctrain"), state, comm),
                      lambda: load_checkpoint(path("hpctrain"), state, comm), True),
         "hpctrain_noverify": (lambda: save_checkpoint(path("hpctrain_noverify"), state, comm, verify=False),

@@ -116,15 +116,17 @@ def rss_bytes():
 
 
 class PeakMemory:
-    """Highest resident set size above the level at entry, sampled every ``interval`` s
-    in a thread (ru_maxrss is a lifetime peak, useless for one operation among many)."""
+    """Highest resident set size above the level at entry (or above ``base``, bytes), sampled
+    every ``interval`` s in a thread (ru_maxrss is a lifetime peak, useless for one operation
+    among many)."""
 
-    def __init__(self, interval=0.002):
+    def __init__(self, interval=0.002, base=None):
         self.interval = interval
         self.peak_extra = 0
+        self._fixed_base = base
 
     def __enter__(self):
-        self._base = rss_bytes()
+        self._base = rss_bytes() if self._fixed_base is None else self._fixed_base
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

@@ -210,13 +210,15 @@ def ckpt_section(docs, verdicts):
              "save includes fsync; load (cold) reads a file dropped from the page cache, warm load the "
              "same file again from memory. raw = numpy tofile+fsync "
              "/ readinto on one rank; torch = torch.save+fsync / torch.load+load_state_dict on one rank; "
+             "torch_all = the same file loaded by every rank (a replicated resume); "
              "hpctrain = save_checkpoint (checksums, collective HDF5 write, verify re-read, fsync, rename) / "
              "load_checkpoint on 2 ranks; dcp = torch.distributed.checkpoint over gloo on 2 ranks. "
              "peak extra = highest RSS above the level before the save, worst rank.", "",
              "| method | save s | save x torch | save GB/s | save BW / raw BW | load s | load x torch "
              "| warm load s | warm load x torch | peak extra / state |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("raw", "torch", "hpctrain", "hpctrain_noverify", "dcp"):
+    every, dcp = rows.get("torch_all"), rows.get("dcp")
+    for name in ("raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "dcp"):
         r = rows.get(name)
         if not r:
             continue
@@ -235,7 +237,18 @@ def ckpt_section(docs, verdicts):
                          ("checkpoint load <= torch.load (warm cache)", warm_vs, ok(warm_vs, TARGETS["load_vs_torch"])),
                          ("peak extra memory during save < 10% of state", r["peak_extra_fraction"],
                           ok(r["peak_extra_fraction"], TARGETS["peak_mem"]))]
-            verdicts[-5:] = [v + (["ckpt_io-2"],) for v in verdicts[-5:]]
+            more = []
+            if every and every.get("load_s"):
+                ratio = r["load_s"] / every["load_s"]
+                more.append(("checkpoint load <= torch.load on every rank", ratio, ok(ratio, TARGETS["load_vs_torch"])))
+            if dcp:
+                for what in ("save", "load"):
+                    if r.get(f"{what}_s") and dcp.get(f"{what}_s"):
+                        ratio = r[f"{what}_s"] / dcp[f"{what}_s"]
+                        more.append((f"checkpoint {what} <= DCP", ratio, ok(ratio, 1.0)))
+            verdicts += more
+            n = 5 + len(more)
+            verdicts[-n:] = [v + (["ckpt_io-2"],) for v in verdicts[-n:]]
     if res.get("dcp_error"):
         lines.append(f"\ndcp did not run: {res['dcp_error']}")
     stall = res.get("stall")

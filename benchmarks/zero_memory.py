@@ -14,15 +14,18 @@ largest model that trains under a per-rank memory limit.
 - ``params``, and per rank ``param_bytes``, ``grad_bytes``, ``state_bytes`` counted from the
   tensors each rank holds after the last step, with ``replicated_bytes`` = 16 x params (AdamW
   replicated: weights, gradients, two moments);
-- ``peak_rss_extra_bytes``: the highest resident set size above the level before the model
-  was built, sampled during build and steps (the largest over ranks);
+- ``peak_rss_extra_bytes``: the highest resident set size above the level when the process
+  had initialised (MPI, torch, the backend; before any model), sampled during build and
+  steps (the largest over ranks). Widths run in ascending order: memory freed by a smaller
+  width and kept by the allocator (hpctrain.allocator) is reused by the next one, so a
+  width's peak above that fixed level is its own;
 - ``step_s``: median step time, the slowest rank's;
 - ``fits``: ``peak_rss_extra_bytes`` <= ``--limit-mib`` (when given).
 """
 import argparse
 import gc
 
-from common import MIB, PeakMemory, init, median, timed, write_result
+from common import MIB, PeakMemory, init, median, rss_bytes, timed, write_result
 
 MODEL = dict(in_features=256, depth=12, residual=True, layer_norm=True, num_classes=16)
 
@@ -107,7 +110,7 @@ def measure(mode, hidden, world, args):
     import torch
 
     gc.collect()
-    with PeakMemory() as peak:
+    with PeakMemory(base=args.start_rss) as peak:
         torch.manual_seed(0)
         model = build(hidden)
         params = sum(p.numel() for p in model.parameters())
@@ -251,6 +254,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     world = init()
+    args.start_rss = rss_bytes()  # before any model: the level every width's peak is counted from
     dist = None
     if args.mode == "torch_zero" or "torch_zero" in (args.interleave or ()):
         from train_step import init_ddp
@@ -262,7 +266,7 @@ def main():
             dist.destroy_process_group()
         return
     measure(args.mode, 16, world, args)  # first-time costs (libraries, communication buffers) not in any row
-    rows = [measure(args.mode, hidden, world, args)[0] for hidden in args.widths]
+    rows = [measure(args.mode, hidden, world, args)[0] for hidden in sorted(args.widths)]  # ascending: see peak_rss_extra_bytes
     fitting = [r["params"] for r in rows if r.get("fits")]
     params = dict(vars(args), largest_fitting_params=max(fitting) if fitting else None)
     write_result(world, args.out, "zero_memory", params, rows)

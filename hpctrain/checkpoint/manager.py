@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from .. import fsutil, settings
+from .. import allocator, fsutil, settings
 from ..coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError, ConfigError
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
@@ -220,7 +220,8 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
     comm = _comm(comm)
     parallel, _ = _io_mode(comm)
     if sharded.is_sharded(state):  # comm.shard: each rank reads its optimizer slice's rows
-        return sharded.load(path, state, comm, parallel, restore_rng)
+        with allocator.reusing_large_blocks():
+            return sharded.load(path, state, comm, parallel, restore_rng)
 
     def header():
         h = reader.read_header(path)
@@ -228,15 +229,19 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
         return h
 
     h = on_root(header, comm)
-    arrays = reader.read_arrays(h, comm, parallel)
-    typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
+    # The reads, exchanges and restores allocate and free large buffers once: reused, not
+    # faulted in afresh each time, and given back afterwards (hpctrain.allocator).
+    with allocator.reusing_large_blocks():
+        arrays = reader.read_arrays(h, comm, parallel)
+        typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
 
-    def apply():
-        snapshot.restore(state, typed, h.group_attrs, path)
-        if restore_rng and comm.Get_rank() == 0:  # rank 0's generators, as saved
-            snapshot.restore_rng(arrays, h.group_attrs)
+        def apply():
+            snapshot.restore(state, typed, h.group_attrs, path)
+            if restore_rng and comm.Get_rank() == 0:  # rank 0's generators, as saved
+                snapshot.restore_rng(arrays, h.group_attrs)
 
-    all_or_none(apply, comm)
+        all_or_none(apply, comm)
+        del arrays, typed
     return h
 
 
