@@ -87,3 +87,4 @@ def reusing_large_blocks(environ=None):
         libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
         libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
         libc.malloc_trim(0)
+
