@@ -36,6 +36,7 @@ to within one row.
 [(0, 9), (9, 17)]
 """
 import math
+import weakref
 
 from .errors import ConfigError
 from .flat import views
@@ -224,8 +225,14 @@ class ShardedOptimizer:
         off, n = self.offsets[i], self.params[i].numel()
         k = self._bucket_of[i]
         start = self.buckets[k][0]
+        # A weak reference: the hook lives in autograd (C++), where Python's collector cannot
+        # see a cycle back to this optimizer, its buffers and the model.
+        ref = weakref.ref(self)
 
         def hook(p):
+            self = ref()
+            if self is None:
+                return
             if self.stage == "gradients":
                 if self.reduction == "allreduce":
                     self._bucket_tensor(k)[off - start:off - start + n].view(p.shape).add_(p.grad)

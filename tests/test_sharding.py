@@ -180,3 +180,24 @@ def test_allreduce_buckets_start_during_the_last_backward_pass_in_a_fixed_order(
     opt.synchronize()
     assert backend.started == ["hpctrain.shard.reduce.0", "hpctrain.shard.reduce.1"]
 
+
+
+def test_an_optimizer_no_longer_used_is_freed_with_its_buffers():
+    """The gradient hooks live in autograd, where the collector cannot see a cycle through
+    them: they must not keep the optimizer (and its flat buffers) alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    model = torch.nn.Linear(50, 40)
+    for stage in ("optimizer", "gradients"):
+        opt = ShardedOptimizer(torch.optim.AdamW(model.parameters()), model, OneRank(), stage, reduction="allreduce")
+        model(torch.randn(2, 50)).sum().backward()
+        opt.synchronize()
+        opt.step()
+        opt.zero_grad()
+        gone = weakref.ref(opt)
+        del opt
+        gc.collect()
+        assert gone() is None, stage
