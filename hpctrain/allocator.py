@@ -10,8 +10,9 @@ step with glibc's defaults and 35 ms with the thresholds below (replicated: 68-7
 60 ms), the whole step 296-301 against 272 ms replicated.
 
 Freed memory then stays with the process for reuse instead of going back to the system, and
-blocks of different sizes fragment the kept heap: the peak resident memory of sharded runs
-rose by up to half (docs/sharding.md). So this is asked for, not the default:
+blocks of many sizes can fragment the kept heap; at one model size the peaks measured within
+about 40 MiB of glibc's defaults, but long runs have not been measured (docs/performance.md).
+So this is asked for, not the default:
 ``HPCTRAIN_MALLOC=reuse`` sets the thresholds, unless the user set glibc's own
 (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``) or preloads
 jemalloc/tcmalloc/mimalloc (``LD_PRELOAD``).
