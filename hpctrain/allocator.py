@@ -1,4 +1,4 @@
-"""The C library's allocator, tuned for training when the user has not tuned it.
+"""The C library's allocator, tuned for training when asked for, and during a checkpoint load.
 
 glibc's ``malloc`` serves a block larger than its mmap threshold (128 KiB, rising to at most
 32 MiB as blocks are freed) with a fresh ``mmap`` and unmaps it when freed, and it returns
@@ -49,6 +49,15 @@ def why_not(environ=None):
     return None
 
 
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def _keep_large_blocks(libc):
+    """Raise glibc's mmap and trim thresholds; True if glibc took both."""
+    return libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
 def tune(environ=None):
     """Set glibc's thresholds once per process, unless :func:`why_not`; returns what was
     done, as a phrase for the run's first lines."""
@@ -56,10 +65,8 @@ def tune(environ=None):
     if _done is not None:
         return _done
     reason = why_not(environ)
-    if reason is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-        reason = None if ok else "mallopt refused"
+    if reason is None and not _keep_large_blocks(_libc()):
+        reason = "mallopt refused"
     _done = (f"malloc keeps blocks up to {MMAP_THRESHOLD >> 20} MiB for reuse (HPCTRAIN_MALLOC=reuse)"
              if reason is None else f"malloc as it is ({reason})")
     return _done
@@ -79,9 +86,8 @@ def reusing_large_blocks(environ=None):
     if own or reason is not None:
         yield
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    libc = _libc()
+    _keep_large_blocks(libc)
     try:
         yield
     finally:

@@ -9,12 +9,12 @@ while the stage is built. Then, as a check that the measurement would see it, th
 model is built densely in the same process and must push the peak past that limit.
 Prints ``RANK r UNDER LIMIT ...`` and ``RANK r WHOLE MODEL OVER LIMIT``.
 """
-import resource
 
 import torch
 from torch import nn
 
 from hpctrain.coordination import abort_on_exception
+from hpctrain.monitoring.timing import peak_rss_bytes as peak_rss
 from hpctrain.parallel import HybridParallel, Layout
 from hpctrain.parallel.stack import LayerStack
 
@@ -22,10 +22,6 @@ WIDTH, LAYERS = 1536, 8
 MIB = 2 ** 20
 LIMIT = 32 * MIB   # parameter bytes per rank; the model has 72 MiB
 RSS_LIMIT = 40 * MIB
-
-
-def peak_rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def main():
