@@ -180,3 +180,11 @@ def test_nonfinite_policy_defaults_are_valid_and_one_keeps_the_learning_rate():
     assert (cfg.train.on_nonfinite, cfg.train.max_nonfinite_skips, cfg.train.max_rollbacks) == ("auto", 3, 2)
     validate(load_config(None, ["data.path=x.h5", "train.rollback_lr_factor=1", "train.on_nonfinite=stop"],
                          environ={}))
+
+
+def test_unknown_shard_reduction_names_the_choices_and_the_closest():
+    cfg = load_config(None, ["comm.shard=optimizer", "comm.shard_reduce=reducescatter"], environ={})
+    with pytest.raises(ConfigError, match="comm.shard_reduce = 'reducescatter' is not one of auto, allreduce, "
+                                          "reduce_scatter") as err:
+        validate(cfg, world_size=2)
+    assert "did you mean comm.shard_reduce = 'reduce_scatter'" in str(err.value.hint)
