@@ -216,3 +216,32 @@ def test_metadata_crc_covers_values_not_their_types():
     assert fmt.metadata_crc(root, {"trainer": {"step": 12, "extra": "{ }"}}, datasets) != crc
     assert fmt.metadata_crc(root, groups, {"model/w": ((3, 2), "<f4", datasets["model/w"][2])}) != crc
     assert fmt.metadata_crc(root, groups, {"model/w": ((2, 3), "<f8", datasets["model/w"][2])}) != crc
+
+
+def test_in_place_targets_skip_shared_mismatched_and_strided_tensors():
+    import torch
+
+    from hpctrain.checkpoint import snapshot
+    from hpctrain.state import Progress, TrainState
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(4, 3)
+    model.b = torch.nn.Linear(3, 4)
+    model.b.weight = torch.nn.Parameter(model.a.weight.detach().t().contiguous())
+    model.tied = torch.nn.Linear(4, 3)
+    model.tied.weight = model.a.weight  # shares memory with a.weight: read into fresh arrays
+    model.register_buffer("strided", torch.zeros(4, 6)[:, ::2])  # not contiguous
+    model.register_buffer("flags", torch.zeros(2, dtype=torch.bool))  # stored as uint8
+    state = TrainState(model, None, Progress())
+
+    def stored(name, tensor, dtype=None):
+        array, tname = snapshot.tensor_to_array(tensor.contiguous(), copy=True)
+        return snapshot.model_path(name), (tuple(array.shape), array.dtype.str, {fmt.DTYPE_ATTR: dtype or tname})
+
+    datasets = dict(stored(n, t) for n, t in model.state_dict().items())
+    path, (shape, dtype, attrs) = stored("b.bias", model.b.bias, dtype="float64")
+    datasets[path] = (shape, "<f8", attrs)  # saved as float64: not this tensor's dtype
+    targets = snapshot.in_place_targets(state, datasets)
+    assert sorted(targets) == ["model/a.bias", "model/b.weight", "model/tied.bias"]
+    array, tensor = targets["model/b.weight"]
+    assert array.ctypes.data == tensor.data_ptr() == model.b.weight.data_ptr()

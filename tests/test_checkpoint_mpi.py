@@ -138,7 +138,7 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path, async_save):
 
 
 SCENARIOS = ["retention", "latest_failure", "async_failure", "async_same", "corrupt_fallback", "truncated", "missing_dataset",
-             "wrong_version", "shape_mismatch", "unwritable", "consistency"]
+             "wrong_version", "shape_mismatch", "groups_mismatch", "in_place", "unwritable", "consistency"]
 
 
 def test_scenarios(tmp_path):
@@ -146,7 +146,7 @@ def test_scenarios(tmp_path):
     for name in SCENARIOS:
         ranks_say(result, f"{name} OK", 2)
     for name in ["latest_failure", "async_failure", "corrupt_fallback", "truncated", "missing_dataset", "wrong_version",
-                 "shape_mismatch", "unwritable", "consistency"]:
+                 "shape_mismatch", "groups_mismatch", "unwritable", "consistency"]:
         ranks_say(result, f"{name} ERROR: ", 2)
     assert "skipping checkpoint" in result.stderr and "/model/fc1.weight" in result.stderr
     assert "copying rank 0's to every rank" in result.stderr

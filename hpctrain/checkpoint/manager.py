@@ -212,8 +212,12 @@ def _comm(comm):
 def load_checkpoint(path, state, comm=None, restore_rng=True):
     """Collective: read checkpoint ``path`` into ``state`` (model, optimizer, progress) in
     place, on any number of ranks. Every rank reads a share, checksums are verified, the
-    shares are exchanged. Raises :class:`CheckpointError` (a ``CheckpointCorrupt`` when the
-    file is damaged) on every rank, before anything in ``state`` changes.
+    shares are exchanged. Raises :class:`CheckpointError` on every rank: for a file that does
+    not fit ``state`` (model shapes, optimizer groups) or cannot be opened, before anything
+    in ``state`` changes. The data is read straight into the state's own CPU tensors (no
+    second copy of the state in memory), so a ``CheckpointCorrupt`` for data that fails its
+    checksums leaves them holding part of the file: load another checkpoint before
+    training on (``CheckpointManager.resume`` falls back to the previous one by itself).
 
     >>> load_checkpoint("run/checkpoints/ckpt-00000100.h5", state)   # doctest: +SKIP
     """
@@ -229,14 +233,16 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
         return h
 
     h = on_root(header, comm)
-    # The reads, exchanges and restores allocate and free large buffers once: reused, not
-    # faulted in afresh each time, and given back afterwards (hpctrain.allocator).
+    all_or_none(lambda: snapshot.check_optimizer_groups(state, h.group_attrs, path), comm)
+    own = snapshot.in_place_targets(state, h.datasets)
+    # What is not read in place allocates and frees large buffers once: reused, not faulted
+    # in afresh each time, and given back afterwards (hpctrain.allocator).
     with allocator.reusing_large_blocks():
-        arrays = reader.read_arrays(h, comm, parallel)
+        arrays = reader.read_arrays(h, comm, parallel, into={p: a for p, (a, _) in own.items()})
         typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
 
         def apply():
-            snapshot.restore(state, typed, h.group_attrs, path)
+            snapshot.restore(state, typed, h.group_attrs, path, own={p: t for p, (_, t) in own.items()})
             if restore_rng and comm.Get_rank() == 0:  # rank 0's generators, as saved
                 snapshot.restore_rng(arrays, h.group_attrs)
 

@@ -229,12 +229,18 @@ def open_for_read(path, comm, parallel):
     return h5py.File(path, "r")
 
 
-def read_arrays(header, comm, parallel, keep=None, verify=True):
+def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
     """Collective: every rank returns ``{path: array}`` for every dataset (or those ``keep``
-    accepts). Checksums are verified across ranks before anything is returned."""
+    accepts). Checksums are verified across ranks before anything is returned.
+
+    ``into``: ``{path: array}`` of the stored shape and dtype, C-contiguous, to read those
+    datasets straight into instead of new arrays (the same paths on every rank). They are
+    written before the checksums are compared: on an error they hold part of the file."""
     rank, size = comm.Get_rank(), comm.Get_size()
+    into = into or {}
     paths = sorted(p for p in header.datasets if keep is None or keep(p))
-    arrays = [np.empty(header.datasets[p][0], dtype=np.dtype(header.datasets[p][1])) for p in paths]
+    arrays = [into[p] if p in into else np.empty(header.datasets[p][0], dtype=np.dtype(header.datasets[p][1]))
+              for p in paths]
     nreaders = size if parallel else 1
     plan = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nreaders)
     sums, errors, f = [], [], None

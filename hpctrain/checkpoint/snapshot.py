@@ -323,14 +323,52 @@ def check_model_against(model, manifest, path):
     _check_shapes(expected, found)
 
 
-def restore(state, arrays, attrs, path, partial=False):
+def in_place_targets(state, datasets):
+    """``{dataset path: (array, tensor)}``: the tensors of ``state`` that a load can read
+    straight into, each with the numpy view of its memory. A tensor qualifies when it is on
+    the CPU, contiguous, of the stored dtype and shape, and shares its memory with no other
+    (tied weights are read into fresh arrays). Reading into them needs no new memory: fresh
+    pages cost a fault on first touch, and the load no longer holds the state twice."""
+    candidates = []
+    for name, tensor in state.model.state_dict().items():
+        candidates.append((model_path(name), tensor))
+    if state.optimizer is not None:
+        for pname, key, tensor in optimizer_parts(state.model, state.optimizer)[1]:
+            candidates.append((optimizer_state_path(pname, key), tensor))
+    users = {}
+    for _, tensor in candidates:
+        if tensor.device.type == "cpu":
+            ptr = tensor.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+    targets = {}
+    for dpath, tensor in candidates:
+        stored = datasets.get(dpath)
+        if (stored is None or tensor.device.type != "cpu" or not tensor.is_contiguous()
+                or users[tensor.untyped_storage().data_ptr()] != 1 or dtype_name(tensor) == "bool"
+                or stored[2].get(fmt.DTYPE_ATTR) != dtype_name(tensor) or tuple(stored[0]) != tuple(tensor.shape)):
+            continue
+        array, _ = tensor_to_array(tensor, copy=False)
+        if array.dtype == np.dtype(stored[1]) and array.flags.c_contiguous and array.flags.writeable:
+            targets[dpath] = (array, tensor)
+    return targets
+
+
+def restore(state, arrays, attrs, path, partial=False, own=None):
     """Load arrays (path -> (array, dtype name)) and group attributes into ``state``; on an
     error nothing has changed. ``partial``: ``state.model`` is a part of the saved model (a
     pipeline stage): the optimizer takes the saved groups' hyperparameters and the state of
-    the parameters it has."""
-    model_sd = {name: array_to_tensor(*arrays[model_path(name)]).to(tensor.device)
+    the parameters it has. ``own``: path -> the state's own tensor that already holds the
+    array (read in place, :func:`in_place_targets`): kept, not copied."""
+    own = own or {}
+
+    def tensor_of(dpath, device):
+        if dpath in own:
+            return own[dpath]
+        return array_to_tensor(*arrays[dpath]).to(device)
+
+    model_sd = {name: tensor_of(model_path(name), tensor.device)
                 for name, tensor in state.model.state_dict().items()}
-    opt_sd = None if state.optimizer is None else _optimizer_state(state, arrays, attrs, path, partial)
+    opt_sd = None if state.optimizer is None else _optimizer_state(state, arrays, attrs, path, partial, own)
     state.model.load_state_dict(model_sd, strict=True)
     if opt_sd is not None:
         state.optimizer.load_state_dict(opt_sd)
@@ -347,7 +385,15 @@ def restore(state, arrays, attrs, path, partial=False):
                                     for p, v in arrays.items() if p.startswith(COMM + "/")})
 
 
-def _optimizer_state(state, arrays, attrs, path, partial):
+def check_optimizer_groups(state, attrs, path, partial=False):
+    """Raise CheckpointError if the saved optimizer's parameter groups or state do not fit
+    ``state.optimizer``: before a load reads anything into the state."""
+    if state.optimizer is not None:
+        _optimizer_groups(state, attrs, path, partial)
+
+
+def _optimizer_groups(state, attrs, path, partial):
+    """``(parameter index by name, param_groups, non-tensor state by index)`` of the file."""
     names = optimizer_param_names(state.model, state.optimizer)
     index = {n: i for i, n in enumerate(names)}
     saved_groups = json.loads(attrs[fmt.OPTIMIZER]["param_groups"])
@@ -374,10 +420,17 @@ def _optimizer_state(state, arrays, attrs, path, partial):
             opt_state[index[pname]] = json.loads(gattrs.get("values", "{}"))
         elif not partial:
             raise CheckpointError(f"{path}: optimizer state for {pname}, which the model does not have")
+    return index, groups, opt_state
+
+
+def _optimizer_state(state, arrays, attrs, path, partial, own):
+    index, groups, opt_state = _optimizer_groups(state, attrs, path, partial)
+    prefix = fmt.OPT_STATE + "/"
     for dpath, (array, dtype) in arrays.items():
         if dpath.startswith(prefix):
             gkey, key = dpath[len(prefix):].rsplit("/", 1)
-            opt_state.setdefault(index[fmt.param_name(gkey)], {})[key] = array_to_tensor(array, dtype)
+            value = own[dpath] if dpath in own else array_to_tensor(array, dtype)
+            opt_state.setdefault(index[fmt.param_name(gkey)], {})[key] = value
     return {"state": opt_state, "param_groups": groups}
 
 

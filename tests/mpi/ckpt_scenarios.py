@@ -16,7 +16,7 @@ import torch
 
 import ckpt_common as cc
 from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
-from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
+from hpctrain.checkpoint import CheckpointManager, load_checkpoint, reader, verify_checkpoint, writer
 from hpctrain.coordination import abort_on_exception
 from hpctrain.errors import CheckpointError
 
@@ -150,7 +150,7 @@ def _flip_byte(path, dataset, where=10):
 
 def corrupt_fallback():
     d = fresh_dir("corrupt")
-    saved_state(d, [1, 2])
+    _, saved = saved_state(d, [1, 2])
     bad = os.path.join(d, "ckpt-00000002.h5")
     root_only(lambda: _flip_byte(bad, "model/fc1.weight"))
     problems = verify_checkpoint(bad)
@@ -160,7 +160,62 @@ def corrupt_fallback():
                  "checksum mismatch")
     mgr = CheckpointManager(d, W, cc.config(resume="auto"), None)
     assert mgr.resume(state) and state.progress.step == 1
+    # The failed load wrote part of the damaged file into the state; the fallback replaced all of it.
+    ref = cc.reference(saved)
+    cc._same(ref["model"], state.model.state_dict(), "model")
+    cc._same(ref["optimizer"], state.optimizer.state_dict(), "optimizer")
     say("corrupt_fallback", "OK resumed from step 1")
+
+
+def in_place():
+    """A load reads straight into the state's own tensors: the parameters keep their memory,
+    the optimizer keeps its moment tensors, and the values are the file's (split datasets,
+    bf16, fp16, integer and bool buffers)."""
+    d = fresh_dir("in_place")
+    _, saved = saved_state(d, [1])
+    ref = cc.reference(saved)
+    state = cc.make_state(seed=8)
+    cc.step_once(state, 5)  # other values, and optimizer state to be overwritten
+    params = {f"model/{n}": t for n, t in state.model.state_dict().items()}
+    moments = {id(p): dict(s) for p, s in state.optimizer.state.items()}
+    calls = []
+    real = reader.read_arrays
+
+    def recording(header, comm, parallel, keep=None, verify=True, into=None):
+        arrays = real(header, comm, parallel, keep, verify, into)
+        calls.append((dict(into or {}), arrays))
+        return arrays
+
+    reader.read_arrays = recording
+    try:
+        load_checkpoint(os.path.join(d, "ckpt-00000001.h5"), state, W.comm)
+    finally:
+        reader.read_arrays = real
+    cc.assert_same_state(ref, state)
+    (into, arrays), = calls
+    # Every model tensor but the bool buffer (stored as uint8) is read into the parameter's memory.
+    expected = {p for p, t in params.items() if t.dtype != torch.bool}
+    assert set(p for p in into if p.startswith("model/")) == expected, sorted(into)
+    for p in expected:
+        assert arrays[p] is into[p] and into[p].ctypes.data == params[p].data_ptr(), p
+    for p, s in state.optimizer.state.items():
+        for key, value in s.items():
+            if torch.is_tensor(value):
+                assert value is moments[id(p)][key], (key, tuple(value.shape), value.dtype)  # the same tensor, overwritten
+    say("in_place", f"OK {len(expected)} model tensors and every optimizer tensor read in place")
+
+
+def groups_mismatch():
+    """A file whose optimizer groups do not fit is refused before anything is read."""
+    d = fresh_dir("groups")
+    saved_state(d, [1])
+    state = cc.make_state(seed=8)
+    state.optimizer = torch.optim.Adam(state.model.parameters(), lr=0.01)  # one group, not two
+    before = {n: t.clone() for n, t in state.model.state_dict().items()}
+    expect_error("groups_mismatch", lambda: load_checkpoint(os.path.join(d, "ckpt-00000001.h5"), state, W.comm),
+                 "parameter groups differ")
+    cc._same(before, state.model.state_dict(), "model")  # nothing changed
+    say("groups_mismatch", "OK")
 
 
 def truncated():
