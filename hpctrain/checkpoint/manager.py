@@ -138,7 +138,12 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
     tmp = info["tmp"]
     call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
     try:
-        checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
+        # The disk starts writing the file back while it is written, not only at the fsync.
+        stop_writeback = fsutil.early_writeback(tmp) if parallel or comm.Get_rank() == 0 else lambda: None
+        try:
+            checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
+        finally:
+            stop_writeback()
         # Every rank fsyncs the file while the ranks re-read and checksum it: the disk
         # writes back while the CPUs verify, instead of one after the other.
         synced = writer.sync_started(tmp, parallel, comm.Get_rank())
