@@ -57,21 +57,26 @@ def plan(quick, out):
             scale = 0.3 if quick else (1.0 if n == 2 else 0.5)
             launches.append((name, n, ["allreduce.py", "--backend", backend, "--reps-scale", str(scale),
                                        "--sizes", *map(str, sizes)] + j(name), 240 if quick else 420))
-    # What Horovod's 1 ms cycle costs small all-reduces: the same launch with a 0.2 ms cycle.
-    name = "allreduce-horovod-cycle0.2-2"
-    launches.append((name, 2, ["allreduce.py", "--backend", "horovod", "--horovod-cycle-ms", "0.2", "--reps-scale",
+    # hpctrain's Horovod cycle (0.2 ms) against Horovod's own 1 ms: the same launch.
+    name = "allreduce-horovod-cycle1-2"
+    launches.append((name, 2, ["allreduce.py", "--backend", "horovod", "--horovod-cycle-ms", "1", "--reps-scale",
                                "0.3" if quick else "1.0", "--sizes", *map(str, sizes[:4])] + j(name),
                      240 if quick else 420))
-    impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none")]
+    impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none"), ("horovod", "cycle1")]
     steps = ["--steps", "4", "--warmup", "2", "--block", "2"] if quick else ["--steps", "20", "--warmup", "4"]
     # DDP and the backends alternate in rounds, so that a change in the machine's load hits
     # each of them alike; the report takes each round's ratio to that round's DDP step.
     for model in (("large",) if quick else ("large", "small")):
         for r in range(1 if quick else ROUNDS):
             for impl, comp in impls:
+                if comp == "cycle1" and (quick or model != "large"):
+                    continue
+                # cycle1: Horovod's own 1 ms cycle, against hpctrain's default in the same rounds.
+                extra = ["--compression", "none", "--horovod-cycle-ms", "1"] if comp == "cycle1" else \
+                    ["--compression", comp]
                 name = f"train_step-{model}-{impl}-{comp}-2" + (f"-r{r}" if r else "")
-                launches.append((name, 2, ["train_step.py", "--impl", impl, "--compression", comp,
-                                           "--model", model] + steps + j(name), 240 if quick else 300))
+                launches.append((name, 2, ["train_step.py", "--impl", impl] + extra
+                                 + ["--model", model] + steps + j(name), 240 if quick else 300))
     # Scaling at a fixed per-rank batch; 2 ranks come from the launches above.
     for n in (1, 4):
         for impl in ("horovod",):
@@ -82,6 +87,10 @@ def plan(quick, out):
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
             else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
+    # The async stall where the writer has a core to itself: one rank on the 2 cores here.
+    stall = ckpt[ckpt.index("--stall"):]
+    launches.append(("ckpt_io-stall-1", 1, ["ckpt_io.py", "--methods", "--state-mib", ckpt[1]] + stall
+                     + j("ckpt_io-stall-1"), 300 if quick else 600))
     # comm.shard (docs/sharding.md): per-rank memory and step time against replicated AdamW and
     # PyTorch's ZeroRedundancyOptimizer; then the largest width that fits a per-rank limit.
     zero = (["--widths", "64", "--steps", "2", "--warmup", "1", "--batch", "8"] if quick

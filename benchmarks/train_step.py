@@ -108,8 +108,12 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--block", type=int, default=5, help="steps per interleaved block")
+    parser.add_argument("--horovod-cycle-ms", type=float, default=None,
+                        help="HOROVOD_CYCLE_TIME for this launch (default: hpctrain's choice, or the environment's)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.horovod_cycle_ms is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_ms)  # read when Horovod starts
 
     import numpy as np
     import torch
@@ -164,6 +168,9 @@ def main():
         "local_step_s": phase("local", 3), "local_forward_backward_s": phase("local", 0),
         "fused_allreduce_s": comm.allreduce(median(runs["fused"]), op=MPI.MAX),
         "step_samples_s": [r[3] for r in runs["impl"]] if world.rank == 0 else None,
+        # Horovod's cycle time: what this launch asked for (None: hpctrain's default), what ran.
+        "cycle_asked_ms": args.horovod_cycle_ms if args.impl == "horovod" else None,
+        "cycle_ms": os.environ.get("HOROVOD_CYCLE_TIME") if args.impl == "horovod" else None,
     }
     # What communication adds to a step, however it overlaps: the step minus the local one.
     result["exposed_comm_s"] = result["step_s"] - result["local_step_s"]

@@ -85,7 +85,7 @@ def test_ckpt_io(tmp_path):
         assert m["load_warm_s"] is None or m["load_warm_s"] > 0
     for mode in ("sync", "async"):
         s = r["stall"][mode]
-        assert s["total_s"] > 0 and s["blocking_s"] >= 0 and s["baseline_s"] > 0
+        assert s["total_s"] > 0 and s["blocking_s"] >= 0 and s["baseline_s"] > 0 and s["other_cpu_s"] >= 0
     assert list((tmp_path / "scratch").glob("*.h5")) == []  # removed after each measurement
 
 
@@ -246,3 +246,24 @@ def test_alternated_rounds_give_median_and_spread(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| mpi none |"))
     assert "| 1.00 | 1.00 | 0.90-1.20 |" in row
     assert targets(table) == {"step mpi none, large model, <= DDP (normalised)": ("1.00", "met")}
+
+
+def test_horovods_own_cycle_is_a_row_of_its_own(tmp_path):
+    from report import render
+
+    for r in range(2):
+        suffix = f"-r{r}" if r else ""
+        (tmp_path / f"train_step-large-ddp-none-2{suffix}.json").write_text(json.dumps(_step_doc("ddp", 0.1, 0.05)))
+        hpctrain_default = _step_doc("horovod", 0.09, 0.05)
+        hpctrain_default["results"]["cycle_asked_ms"] = None
+        horovods = _step_doc("horovod", 0.11, 0.05)
+        horovods["results"]["cycle_asked_ms"] = 1.0
+        (tmp_path / f"train_step-large-horovod-none-2{suffix}.json").write_text(json.dumps(hpctrain_default))
+        (tmp_path / f"train_step-large-horovod-cycle1-2{suffix}.json").write_text(json.dumps(horovods))
+    table = render(str(tmp_path))
+    rows = {}
+    for line in table.splitlines():  # the training-step table comes first
+        if line.startswith("| horovod none"):
+            rows.setdefault(line.split(" |")[0], line)
+    assert "| 0.90 | 0.90 | 0.90-0.90 |" in rows["| horovod none"]  # x DDP, normalised, spread
+    assert "| 1.10 | 1.10 | 1.10-1.10 |" in rows["| horovod none 1 ms cycle"]
