@@ -218,36 +218,49 @@ def stall(world, state, directory, steps, reps, batch):
         mgr.save(state)
         mgr.wait()
     out = {mode: {"blocking_s": [], "steps_s": [], "wait_s": [], "total_s": [], "baseline_s": [],
-                  "other_cpu_s": []} for mode in managers}
+                  "other_cpu_s": [], "baseline_cpu_s": [], "steps_cpu_s": [], "steps": [], "step_s": []}
+           for mode in managers}
     for _ in range(reps):
         for mode, mgr in managers.items():
             comm.Barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             train(steps)
-            base = time.perf_counter() - t0
+            base, base_cpu = time.perf_counter() - t0, time.thread_time() - c0
             comm.Barrier()
             cpu0, mine0 = process_cpu(), time.thread_time()
             t0 = time.perf_counter()
             mgr.save(state)
-            t1 = time.perf_counter()
-            train(steps)
-            t2 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            # Training goes on until the save is durable (at least ``steps`` steps), as in a
+            # run whose saves are further apart than one takes.
+            done = 0
+            while True:
+                train(1)
+                done += 1
+                if done >= steps and not comm.allreduce(int(mgr.saving), op=MPI.MAX):
+                    break
+            t2, steps_cpu = time.perf_counter(), time.thread_time() - c1
             mgr.wait()
             t3 = time.perf_counter()
+            step = base / steps
+            base_cpu, base = base_cpu * done / steps, base * done / steps  # for as many steps
             # CPU seconds spent outside the training thread meanwhile: an async save's
             # background write, checksums and verification (and the fsync threads of both).
             other_cpu = (process_cpu() - cpu0) - (time.thread_time() - mine0)
             r = out[mode]
             for key, value in (("baseline_s", base), ("blocking_s", t1 - t0), ("steps_s", t2 - t1),
-                               ("wait_s", t3 - t2), ("total_s", t3 - t0), ("other_cpu_s", other_cpu)):
+                               ("wait_s", t3 - t2), ("total_s", t3 - t0), ("other_cpu_s", other_cpu),
+                               ("baseline_cpu_s", base_cpu), ("steps_cpu_s", steps_cpu), ("steps", done),
+                               ("step_s", step)):
                 r[key].append(comm.allreduce(value, op=MPI.MAX))
     result = {}
     for mode, r in out.items():
         m = {k: median(v) for k, v in r.items()}
         # The time training lost: the save's own blocking, slower steps while it ran in
-        # the background, and waiting for it to end.
-        m["stall_s"] = m["total_s"] - m["baseline_s"]
-        m["step_s"] = m["baseline_s"] / steps
+        # the background, and waiting for it to end; against as many steps without a save.
+        stalls = [t - b for t, b in zip(r["total_s"], r["baseline_s"])]
+        m["stall_s"] = median(stalls)
+        m["stall_samples_s"] = stalls
         result[mode] = m
     for mgr in managers.values():
         mgr.close()
@@ -353,7 +366,7 @@ def main():
         if world.rank == 0:
             for mode in ("sync", "async"):
                 s = result["stall"][mode]
-                print(f"ckpt_io stall {mode}: {s['stall_s']:.2f} s over {args.stall_steps} steps of "
+                print(f"ckpt_io stall {mode}: {s['stall_s']:.2f} s over {s['steps']:.0f} steps of "
                       f"{s['step_s']:.2f} s (blocking {s['blocking_s']:.2f} s)", flush=True)
     comm.Barrier()
     if world.rank == 0 and not args.dir:

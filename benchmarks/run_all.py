@@ -87,9 +87,11 @@ def plan(quick, out):
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
             else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
-    # The async stall where the writer has a core to itself: one rank on the 2 cores here.
+    # The async stall where the writer has a core to itself: one rank given both cores here
+    # (mpirun binds a rank to one core by default when it starts one or two).
     stall = ckpt[ckpt.index("--stall"):]
-    launches.append(("ckpt_io-stall-1", 1, ["ckpt_io.py", "--methods", "--state-mib", ckpt[1]] + stall
+    launches.append(("ckpt_io-stall-1", 1, ["--bind-to", "none", "ckpt_io.py", "--methods", "--state-mib", ckpt[1]]
+                     + stall
                      + j("ckpt_io-stall-1"), 300 if quick else 600))
     # comm.shard (docs/sharding.md): per-rank memory and step time against replicated AdamW and
     # PyTorch's ZeroRedundancyOptimizer; then the largest width that fits a per-rank limit.
@@ -142,8 +144,9 @@ def comm_modes_plan(quick, out, j):
 
 
 def run(name, n, args, timeout, out, log):
-    cmd = ["mpirun", "-n", str(n), "--timeout", str(timeout),
-           sys.executable, os.path.join(HERE, args[0])] + args[1:]
+    script = next(i for i, a in enumerate(args) if a.endswith(".py"))  # mpirun's own options first
+    cmd = ["mpirun", "-n", str(n), "--timeout", str(timeout), *args[:script],
+           sys.executable, os.path.join(HERE, args[script])] + args[script + 1:]
     env = mpi_env()
     env["BENCH_OUT"] = out
     waited = conditions.settle()

@@ -9,6 +9,7 @@ each rank's output. ``exit_corrupt`` lets the error end the job (non-zero exit s
 import glob
 import os
 import sys
+import threading
 
 import h5py
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 import ckpt_common as cc
 from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
-from hpctrain.checkpoint import CheckpointManager, load_checkpoint, reader, verify_checkpoint, writer
+from hpctrain.checkpoint import CheckpointManager, load_checkpoint, manager, reader, verify_checkpoint, writer
 from hpctrain.coordination import abort_on_exception
 from hpctrain.errors import CheckpointError
 
@@ -112,12 +113,22 @@ def async_same():
     sync.save(state, metrics={"val_loss": 1.0})
     backgr = CheckpointManager(d_async, W, cc.config(async_save=True), {"x": 1})
     call_bytes, writer.CALL_BYTES = writer.CALL_BYTES, 64 << 10  # many independent calls per large dataset
+    real_write, niceness = manager.write_verified, []
+
+    def write_verified(*args, **kwargs):  # the writer runs below the training's priority
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_write(*args, **kwargs)
+
+    manager.write_verified = write_verified
     try:
         backgr.save(state, metrics={"val_loss": 1.0})
         cc.step_once(state, 5)  # training goes on (and changes every tensor) while it writes
         backgr.close()
     finally:
         writer.CALL_BYTES = call_bytes
+        manager.write_verified = real_write
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert niceness == [mine + manager.WRITER_NICE], (niceness, mine)
     if W.rank == 0:
         a, b = (h5py.File(os.path.join(x, "ckpt-00000005.h5"), "r") for x in (d_sync, d_async))
         volatile = {"created", "created_unix", "metadata_crc32"}  # the checksum covers the time
