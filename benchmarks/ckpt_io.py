@@ -135,6 +135,21 @@ def remove(path):
 
 # ---------------------------------------------------------------- one method, timed
 
+PREFAULT = {"bytes": 0}  # set by --prefault-mib
+
+
+def prefault():
+    """Touch and free ``PREFAULT["bytes"]`` of memory, so that the pages the next save or load
+    takes (page cache, new tensors) are ones the machine has at hand. On the virtual machine
+    here, memory freed for a few seconds goes back to the host, and touching it again costs
+    about 1 s per GiB (docs/performance.md): without this, whichever method comes after a
+    pause pays that, and a median of three tells more of the order than of the method."""
+    if PREFAULT["bytes"]:
+        import numpy as np
+
+        np.ones(PREFAULT["bytes"], dtype=np.uint8)
+
+
 def measure(world, name, path, save, load, collective):
     """Save then load once; the slowest rank's seconds and peak extra memory. ``collective``:
     every rank saves and loads (True), rank 0 only (False), or rank 0 saves and every rank
@@ -148,6 +163,8 @@ def measure(world, name, path, save, load, collective):
     comm.Barrier()
     t_save = peak = t_load = t_warm = 0.0
     size = 0
+    prefault()
+    comm.Barrier()
     if active:
         with PeakMemory() as mem:
             t0 = time.perf_counter()
@@ -158,11 +175,13 @@ def measure(world, name, path, save, load, collective):
     if world.rank == 0:
         size = file_bytes(path)
         drop_file_cache(path)
+    prefault()
     comm.Barrier()
     if loading and load is not None:
         t0 = time.perf_counter()
         load()
         t_load = time.perf_counter() - t0
+    prefault()
     comm.Barrier()
     if loading and load is not None:
         t0 = time.perf_counter()
@@ -226,6 +245,7 @@ def stall(world, state, directory, steps, reps, batch):
             t0, c0 = time.perf_counter(), time.thread_time()
             train(steps)
             base, base_cpu = time.perf_counter() - t0, time.thread_time() - c0
+            prefault()
             comm.Barrier()
             cpu0, mine0 = process_cpu(), time.thread_time()
             t0 = time.perf_counter()
@@ -279,8 +299,12 @@ def main():
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
     parser.add_argument("--stall-batch", type=int, default=8)
+    parser.add_argument("--prefault-mib", type=float, default=None,
+                        help="memory to touch and free before each save and load (default: the state's "
+                             "size; 0: none)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    PREFAULT["bytes"] = int((args.state_mib if args.prefault_mib is None else args.prefault_mib) * MIB)
 
     import tempfile
 
@@ -357,7 +381,7 @@ def main():
             print(f"ckpt_io {name}: save {row['save_s']:.2f} s, load {row['load_s'] or 0:.2f} s "
                   f"(warm {row['load_warm_s'] or 0:.2f} s), "
                   f"peak extra {row['peak_extra_fraction']:.0%} of {state_bytes / MIB:.0f} MiB", flush=True)
-    result = {"state_bytes": state_bytes, "hidden": hidden, "tensors": len(tensors), "methods": rows,
+    result = {"state_bytes": state_bytes, "prefault_bytes": PREFAULT["bytes"], "hidden": hidden, "tensors": len(tensors), "methods": rows,
               "dcp_error": dcp_error, "directory": directory}
     if args.stall:
         result["stall"] = stall(world, state, os.path.join(directory, "stall"), args.stall_steps,

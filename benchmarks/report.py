@@ -217,9 +217,9 @@ def ckpt_section(docs, verdicts):
              "hpctrain = save_checkpoint (checksums, collective HDF5 write, verify re-read, fsync, rename) / "
              "load_checkpoint on 2 ranks; dcp = torch.distributed.checkpoint over gloo on 2 ranks. "
              "peak extra = highest RSS above the level before the save, worst rank.", "",
-             "| method | save s | save x torch | save GB/s | save BW / raw BW | load s | load x torch "
-             "| warm load s | warm load x torch | peak extra / state |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | save s | save min-max | save x torch | save GB/s | save BW / raw BW | load s "
+             "| load min-max | load x torch | warm load s | warm load x torch | peak extra / state |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     every, dcp = rows.get("torch_all"), rows.get("dcp")
     for name in ("raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "dcp"):
         r = rows.get(name)
@@ -230,8 +230,9 @@ def ckpt_section(docs, verdicts):
         load_vs = r["load_s"] / torch_r["load_s"] if torch_r and r["load_s"] else None
         warm = r.get("load_warm_s")
         warm_vs = warm / torch_r["load_warm_s"] if torch_r and warm and torch_r.get("load_warm_s") else None
-        lines.append(f"| {name} | {fmt(r['save_s'])} | {fmt(vs_torch)} | {fmt(r['save_gbs'])} | {fmt(vs_raw)} "
-                     f"| {fmt(r['load_s'])} | {fmt(load_vs)} | {fmt(warm)} | {fmt(warm_vs)} "
+        lines.append(f"| {name} | {fmt(r['save_s'])} | {spread(r.get('save_samples_s') or [])[1]} | {fmt(vs_torch)} "
+                     f"| {fmt(r['save_gbs'])} | {fmt(vs_raw)} | {fmt(r['load_s'])} "
+                     f"| {spread(r.get('load_samples_s') or [])[1]} | {fmt(load_vs)} | {fmt(warm)} | {fmt(warm_vs)} "
                      f"| {fmt(100 * r['peak_extra_fraction'], '.0f', '%')} |")
         if name == "hpctrain":
             verdicts += [("checkpoint save <= torch.save+fsync", vs_torch, ok(vs_torch, TARGETS["save_vs_torch"])),

@@ -165,6 +165,7 @@ fi
 pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
   && [ -x "$VENV/bin/hpctrain" ] \
   && pyok 'import tqdm, matplotlib, sklearn, safetensors' \
+  && { [ "$(uname -m)" != x86_64 ] || pyok 'import isal'; } \
   || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors]"; }
 
 say "done: $VENV ready (torch $TORCH_VERSION). Check it with: $VENV/bin/hpctrain doctor"

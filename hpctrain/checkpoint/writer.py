@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-import zlib
 
 import numpy as np
 
@@ -122,7 +121,7 @@ def own_checksums(datasets, rank, crc=True, finite=True):
             for a in range(pos, pos + nbytes, SCAN_BYTES):
                 chunk = flat[a:min(pos + nbytes, a + SCAN_BYTES)]
                 if crc:
-                    c = zlib.crc32(chunk, c)
+                    c = fmt.crc32(chunk, c)
                 if check and ok:
                     ok = fmt.all_finite(chunk.view(d.dtype), d.attrs[fmt.DTYPE_ATTR])
             if crc:
