@@ -260,8 +260,8 @@ def ckpt_section(docs, verdicts):
     one = docs.get("ckpt_io-stall-1")
     if one:
         lines += stall_lines(one["results"].get("stall"), "ckpt_io-stall-1",
-                             "1 rank on 2 cores: the writer has a core of its own, as on a node with more "
-                             "cores than ranks", verdicts)
+                             "1 rank given both cores (mpirun --bind-to none): the writer has a core of its "
+                             "own, as on a node with more cores than ranks", verdicts)
     return lines
 
 
@@ -269,18 +269,19 @@ def stall_lines(stall, launch, setting, verdicts):
     """The stall table of one launch, and its verdict."""
     if not stall:
         return []
-    lines = ["", f"Training stall of one `CheckpointManager.save` among {stall['steps']} training steps "
-                 f"(`{launch}`, {setting}; mpi backend, batch 8/rank, same state): stall = (steps with the "
-                 f"save, until it is durable) - (the same steps without). other CPU = CPU seconds the "
-                 f"process spent outside the training thread meanwhile (the background write, checksums, "
-                 f"verification, fsync).", "",
-             "| mode | stall s | stall / sync stall | save() blocks s | step s | wait at end s | other CPU s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", f"Training stall of one `CheckpointManager.save` (`{launch}`, {setting}; mpi backend, batch "
+                 f"8/rank, same state): training steps run until the save is durable (at least "
+                 f"{stall['steps']}); stall = their time with the save - as many steps without. other CPU = "
+                 f"CPU seconds the process spent outside the training thread meanwhile (the background write, "
+                 f"checksums, verification, fsync).", "",
+             "| mode | stall s | stall min-max | stall / sync stall | save() blocks s | steps | step s "
+             "| other CPU s |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode in ("sync", "async"):
         s = stall[mode]
-        lines.append(f"| {mode} | {fmt(s['stall_s'])} | {fmt(s['stall_s'] / stall['sync']['stall_s'])} "
-                     f"| {fmt(s['blocking_s'])} | {fmt(s['step_s'])} | {fmt(s['wait_s'])} "
-                     f"| {fmt(s.get('other_cpu_s'))} |")
+        lines.append(f"| {mode} | {fmt(s['stall_s'])} | {spread(s.get('stall_samples_s') or [])[1]} "
+                     f"| {fmt(s['stall_s'] / stall['sync']['stall_s'])} | {fmt(s['blocking_s'])} "
+                     f"| {fmt(s.get('steps'), '.0f')} | {fmt(s['step_s'])} | {fmt(s.get('other_cpu_s'))} |")
     ratio = stall["async"]["stall_s"] / stall["sync"]["stall_s"] if stall["sync"]["stall_s"] > 0 else None
     verdicts.append((f"async_save stall <= {TARGETS['async_stall']}x a synchronous save's ({launch})", ratio,
                      ok(ratio, TARGETS["async_stall"]), [launch]))

@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-
 import numpy as np
 
 from .. import fsutil
