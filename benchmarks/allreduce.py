@@ -7,7 +7,9 @@ through ``backend.synchronize(optimizer)``, the call the trainer makes after the
 pass (Horovod then all-reduces every gradient whose hook has not fired, i.e. all of them,
 fused by its background thread; the mpi backend copies them into fused buffers). The
 baseline, timed in the same process and interleaved with it, is one mpi4py ``Allreduce``
-of a single float32 buffer of the same bytes.
+of a single float32 buffer of the same bytes. Horovod's launch also times one tensor of all
+the bytes (``horovod_one_tensor``) and one of 4 bytes (``horovod_floor``: what any Horovod
+all-reduce costs, whatever its size).
 
 Bandwidth as nccl-tests define it: algbw = bytes / time, busbw = algbw * 2(n-1)/n, with
 the bytes that travel: half of them under fp16 compression.
@@ -75,6 +77,14 @@ def main():
             module = make_gradients(nbytes, args.tensors, f"s{nbytes}{compression}")
             opt = backend.distributed_optimizer(torch.optim.SGD(module.parameters(), lr=0.0), module)
             paths[f"{args.backend}_{compression}"] = (lambda b=backend, o=opt: b.synchronize(o))
+        if args.backend == "horovod":
+            # What the 16 tensors cost is made of: Horovod's cost per call whatever the size (its
+            # background thread's cycle, the negotiation among ranks, the hand-offs between
+            # threads), seen on one 4-byte tensor; and one tensor already holding all the bytes.
+            hvd = backends["none"].hvd
+            one, tiny = torch.ones(nbytes // 4), torch.ones(1)
+            paths["horovod_one_tensor"] = lambda: hvd.allreduce_(one, op=hvd.Average, name=f"one{nbytes}")
+            paths["horovod_floor"] = lambda: hvd.allreduce_(tiny, op=hvd.Average, name=f"floor{nbytes}")
         times = {name: [] for name in paths}
         # Interleaved, so that a burst of load from elsewhere hits every path alike.
         for name, fn in paths.items():
@@ -85,7 +95,7 @@ def main():
         base = median(times["fused_allreduce"])
         for name, ts in times.items():
             t = median(ts)
-            wire = nbytes // 2 if name.endswith("fp16") else nbytes
+            wire = 4 if name == "horovod_floor" else nbytes // 2 if name.endswith("fp16") else nbytes
             algbw, busbw = bus_bandwidth(wire, t, world.size)
             rows.append({"path": name, "bytes": nbytes, "wire_bytes": wire, "tensors": args.tensors,
                          "reps": reps, "median_s": t, "min_s": min(ts), "algbw_gbs": algbw / 1e9,

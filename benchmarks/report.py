@@ -19,6 +19,7 @@ MIB = 2 ** 20
 TARGETS = {
     "step": 1.0,          # step time / DDP's
     "sync": 1.2,          # gradient synchronisation / one fused Allreduce of the same bytes
+    "small_sync": 1.5,    # the same for 256 KiB - 4 MiB through Horovod
     "save_vs_torch": 1.0,  # hpctrain save time / torch.save+fsync
     "save_vs_raw": 0.8,   # hpctrain save bandwidth / raw tofile+fsync bandwidth (at least)
     "load_vs_torch": 1.0,  # hpctrain load time / torch.load
@@ -108,7 +109,44 @@ def allreduce_section(docs, verdicts):
             fused = next((x for x in cycle["results"] if x["bytes"] == r["bytes"] and x["path"] == "fused_allreduce"), {})
             lines.append(f"| {size_name(r['bytes'])} | {fmt(d.get('median_s', 0) * 1e3)}, {fmt(d.get('ratio_to_fused'))} "
                          f"| {fmt(r['median_s'] * 1e3)}, {fmt(r['ratio_to_fused'])} | {fmt(fused.get('median_s', 0) * 1e3)} |")
-    return lines if found else []
+    return (lines + small_buffer_lines(docs, verdicts)) if found else []
+
+
+def small_buffer_lines(docs, verdicts):
+    """Horovod on small buffers: the 16 tensors, one tensor, and the cost of any Horovod
+    all-reduce (4 bytes), against 1.5x one fused Allreduce: where that cost alone is over
+    1.5x, no fusion of the gradients can reach the target through Horovod."""
+    doc = docs.get("allreduce-horovod-2")
+    rows = {}
+    for r in (doc or {}).get("results", []):
+        if r["bytes"] <= 4 * MIB:
+            rows.setdefault(r["bytes"], {})[r["path"]] = r
+    if not any("horovod_floor" in r for r in rows.values()):
+        return []
+    limit = TARGETS["small_sync"]
+    lines = ["", f"Small buffers through Horovod (2 ranks, `allreduce-horovod-2`): the target is {limit:g}x one "
+             "fused `Allreduce`. The floor is one 4-byte Horovod all-reduce: the part of every call that does "
+             "not depend on its size (the wait for the background thread's next cycle, the negotiation among "
+             "ranks, the hand-offs between threads). Where the floor alone is over the target, no fusing of "
+             "the gradients reaches it through Horovod.", "",
+             f"| size | fused ms | {limit:g}x fused ms | floor (4 B) ms | one tensor ms, x fused "
+             "| 16 tensors ms, x fused | floor over the target |",
+             "|---|---|---|---|---|---|---|"]
+    for nbytes in sorted(rows):
+        r = rows[nbytes]
+        ms = lambda k: r.get(k, {}).get("median_s", 0) * 1e3  # noqa: E731
+        x = lambda k: r.get(k, {}).get("ratio_to_fused")  # noqa: E731
+        if "fused_allreduce" not in r or "horovod_floor" not in r:
+            continue
+        over = ms("horovod_floor") > limit * ms("fused_allreduce")
+        lines.append(f"| {size_name(nbytes)} | {fmt(ms('fused_allreduce'), '.3f')} | "
+                     f"{fmt(limit * ms('fused_allreduce'), '.3f')} | {fmt(ms('horovod_floor'), '.3f')} | "
+                     f"{fmt(ms('horovod_one_tensor'), '.3f')}, {fmt(x('horovod_one_tensor'))} | "
+                     f"{fmt(ms('horovod_none'), '.3f')}, {fmt(x('horovod_none'))} | {'yes' if over else 'no'} |")
+        if x("horovod_none") is not None:
+            verdicts.append((f"small sync horovod none {size_name(nbytes)} 2 ranks <= {limit:g}x fused",
+                             x("horovod_none"), ok(x("horovod_none"), limit), ["allreduce-horovod-2"]))
+    return lines
 
 
 def step_rounds(docs, model, n):

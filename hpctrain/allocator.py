@@ -18,10 +18,10 @@ So this is asked for, not the default:
 jemalloc/tcmalloc/mimalloc (``LD_PRELOAD``).
 """
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import platform
+
+from .system import libc
 
 MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap, and are reused
 TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before returning it
@@ -49,10 +49,6 @@ def why_not(environ=None):
     return None
 
 
-def _libc():
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
 def _keep_large_blocks(libc):
     """Raise glibc's mmap and trim thresholds; True if glibc took both."""
     return libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
@@ -65,7 +61,7 @@ def tune(environ=None):
     if _done is not None:
         return _done
     reason = why_not(environ)
-    if reason is None and not _keep_large_blocks(_libc()):
+    if reason is None and not _keep_large_blocks(libc()):
         reason = "mallopt refused"
     _done = (f"malloc keeps blocks up to {MMAP_THRESHOLD >> 20} MiB for reuse (HPCTRAIN_MALLOC=reuse)"
              if reason is None else f"malloc as it is ({reason})")
@@ -86,12 +82,12 @@ def reusing_large_blocks(environ=None):
     if own or reason is not None:
         yield
         return
-    libc = _libc()
-    _keep_large_blocks(libc)
+    c = libc()
+    _keep_large_blocks(c)
     try:
         yield
     finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
-        libc.malloc_trim(0)
+        c.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        c.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+        c.malloc_trim(0)
 

@@ -5,6 +5,7 @@ The order is what makes a file survive a crash: write a temp file, fsync it, ren
 the old name (atomic on POSIX), fsync the directory so that the rename itself is on disk.
 """
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -31,14 +32,15 @@ def fsync_path(path, directory=False):
 _SYNC_FILE_RANGE_WRITE = 2  # start writing dirty pages back; do not wait
 
 
+@functools.lru_cache(maxsize=None)
 def _sync_file_range():
-    """libc's ``sync_file_range`` (Linux), or None."""
+    """libc's ``sync_file_range`` (Linux), or None; looked up once."""
     import ctypes
-    import ctypes.util
+
+    from .system import libc
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        call = libc.sync_file_range
+        call = libc().sync_file_range
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -12,10 +12,12 @@ Example::
 """
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import LaunchError
+from .system import usable_cpus
 
 
 @dataclass(frozen=True)
@@ -143,14 +145,42 @@ def cpu_threads_per_rank(local_size, environ=None):
     env = os.environ if environ is None else environ
     if env.get("OMP_NUM_THREADS"):
         return max(1, int(env["OMP_NUM_THREADS"]))
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
+    usable = usable_cpus()
     cores = os.cpu_count() or 1
     if usable < cores:  # the launcher bound this rank to a subset: use exactly that
         return max(1, usable)
     return max(1, cores // max(1, local_size))
+
+
+# Open MPI's ranks spin on their core while they wait in MPI. Horovod's background thread
+# waits that way in every cycle, on the core that the training thread needs when a rank has
+# one. Measured here (2 ranks, one core each): an idle Horovod made a matrix-multiply loop
+# 1.6x slower and the 25M-parameter training step 1.6x slower (316-331 against 196-206 ms);
+# with the waits yielding the core, neither slowed, and MPI's own latencies (8 B - 64 MiB)
+# did not change (docs/performance.md). Open MPI reads this when MPI starts.
+YIELD_VARIABLE = "OMPI_MCA_mpi_yield_when_idle"
+_mpi_note = None  # what mpi_defaults() did, for the run's first lines
+
+
+def mpi_defaults(environ=None, mpi_started=None):
+    """Set hpctrain's MPI settings in ``environ`` (the process's) where the user has not,
+    before MPI starts; returns a phrase for the run's first lines."""
+    env = os.environ if environ is None else environ
+    if YIELD_VARIABLE in env:
+        return f"MPI waits: {YIELD_VARIABLE}={env[YIELD_VARIABLE]} (as set)"
+    if mpi_started is None:
+        mpi = sys.modules.get("mpi4py.MPI")
+        mpi_started = mpi is not None and mpi.Is_initialized()
+    if mpi_started:
+        return (f"MPI waits spin: MPI started before hpctrain could set {YIELD_VARIABLE}=1 "
+                f"(export it in the job script, or import hpctrain before mpi4py's MPI)")
+    env[YIELD_VARIABLE] = "1"
+    return f"MPI waits yield the core (hpctrain's default; {YIELD_VARIABLE} sets it)"
+
+
+def mpi_settings():
+    """The phrase :func:`init_world` logged for MPI's settings, or None before it ran."""
+    return _mpi_note
 
 
 def init_world(comm=None, pin=True, check=True):
@@ -158,12 +188,15 @@ def init_world(comm=None, pin=True, check=True):
 
     Raises :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree.
     """
+    global _mpi_note
     from . import allocator
 
     allocator.tune()  # before the model and its buffers are allocated
     info = launch_info()
     if check and problems_before_mpi(info):
         raise LaunchError("\n".join(problems_before_mpi(info)))
+    if _mpi_note is None:
+        _mpi_note = mpi_defaults()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm

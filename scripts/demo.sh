@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 NP=${NP:-2}
 args=(-n "$NP" --oversubscribe)
 [ "$(id -u)" = 0 ] && args+=(--allow-run-as-root)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-true}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 mpirun "${args[@]}" --timeout 900 .venv/bin/hpctrain train examples/digits.toml comm.compression=fp16 "$@" | tee "$log"

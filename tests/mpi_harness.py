@@ -30,8 +30,11 @@ def mpi_env(extra=None):
         "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     })
     env.setdefault("OMP_NUM_THREADS", "1")
-    if extra:
-        env.update(extra)
+    for name, value in (extra or {}).items():  # None: not set at all, as on a user's machine
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 

@@ -40,11 +40,13 @@ def test_allreduce(tmp_path, backend):
     doc = read(out)
     assert doc["ranks"] == 2
     rows = doc["results"]
-    assert {r["path"] for r in rows} == {"fused_allreduce", f"{backend}_none", f"{backend}_fp16"}
+    parts = {"horovod_one_tensor", "horovod_floor"} if backend == "horovod" else set()
+    assert {r["path"] for r in rows} == {"fused_allreduce", f"{backend}_none", f"{backend}_fp16"} | parts
     assert sorted({r["bytes"] for r in rows}) == [65536, 1048576]
     for r in rows:
         assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] and r["busbw_gbs"] > 0
-        assert r["wire_bytes"] == (r["bytes"] // 2 if r["path"].endswith("fp16") else r["bytes"])
+        wire = 4 if r["path"] == "horovod_floor" else r["bytes"] // 2 if r["path"].endswith("fp16") else r["bytes"]
+        assert r["wire_bytes"] == wire
         # busbw = algbw * 2(n-1)/n = algbw on 2 ranks
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"])
         if r["path"] == "fused_allreduce":
@@ -121,6 +123,27 @@ def test_targets_give_each_verdict(tmp_path):
         "sync horovod none 4 MiB 2 ranks <= 1.2x fused": ("1.50", "MISSED"),
         "sync mpi none 4 MiB 4 ranks <= 1.2x fused": ("0.90", "met"),
     }
+
+
+def test_small_buffers_show_horovods_floor_against_the_target(tmp_path):
+    from report import render
+
+    def row(path, nbytes, ms, fused_ms):
+        return {"path": path, "bytes": nbytes, "median_s": ms / 1e3, "ratio_to_fused": ms / fused_ms,
+                "busbw_gbs": 1.0}
+
+    results = []
+    for nbytes, fused, floor, one, many in ((256 * 1024, 0.05, 0.20, 0.25, 0.60), (4 * 2 ** 20, 0.70, 0.20, 0.90, 1.00)):
+        results += [row("fused_allreduce", nbytes, fused, fused), row("horovod_floor", nbytes, floor, fused),
+                    row("horovod_one_tensor", nbytes, one, fused), row("horovod_none", nbytes, many, fused)]
+    (tmp_path / "allreduce-horovod-2.json").write_text(json.dumps({"benchmark": "allreduce", "ranks": 2,
+                                                                    "results": results}))
+    table = render(str(tmp_path))
+    assert "| 256 KiB | 0.050 | 0.075 | 0.200 | 0.250, 5.00 | 0.600, 12.00 | yes |" in table
+    assert "| 4 MiB | 0.700 | 1.050 | 0.200 | 0.900, 1.29 | 1.000, 1.43 | no |" in table
+    got = targets(table)
+    assert got["small sync horovod none 256 KiB 2 ranks <= 1.5x fused"] == ("12.00", "MISSED")
+    assert got["small sync horovod none 4 MiB 2 ranks <= 1.5x fused"] == ("1.43", "met")
 
 
 def test_no_measurements_no_targets(tmp_path):

@@ -255,3 +255,39 @@ def test_checksum_is_zlibs_crc32_and_fast_where_isal_installs():
     assert fmt.crc32_bytes(data.view(np.float32)) == zlib.crc32(data)
     if platform.machine() in ("x86_64", "aarch64"):  # setup.cfg installs isal there
         assert fmt.crc32 is not zlib.crc32, "isal is missing: pip install isal (make setup installs it)"
+
+
+def test_early_writeback_asks_the_kernel_for_the_file_while_it_is_written(tmp_path, monkeypatch):
+    # The real sync_file_range, wrapped to record what it was asked and what it answered.
+    import os
+    import time
+
+    from hpctrain import fsutil
+
+    real = fsutil._sync_file_range()
+    if real is None:
+        pytest.skip("no sync_file_range here (not Linux)")
+    calls = []
+
+    def recording(fd, offset, nbytes, flags):
+        rc = real(fd, offset, nbytes, flags)
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), flags, rc))
+        return rc
+
+    monkeypatch.setattr(fsutil, "_sync_file_range", lambda: recording)
+    path = tmp_path / "ckpt.h5.tmp"
+    stop = fsutil.early_writeback(str(path), interval=0.005)
+    time.sleep(0.03)  # the file does not exist yet: nothing is asked
+    assert calls == []
+    with open(path, "wb") as f:
+        for _ in range(8):
+            f.write(b"\1" * (1 << 20))
+            f.flush()
+            time.sleep(0.02)
+        stop()
+    assert calls, "no write-back was asked for while the file was written"
+    assert {c[0] for c in calls} == {str(path)} and {c[1] for c in calls} == {fsutil._SYNC_FILE_RANGE_WRITE}
+    assert {c[2] for c in calls} == {0}  # the kernel accepted every request
+    n = len(calls)
+    time.sleep(0.03)
+    assert len(calls) == n  # stopped means stopped

@@ -24,6 +24,7 @@ from .. import allocator, fsutil, settings
 from ..coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError, ConfigError
 from ..replicas import divergent_ranks, first_difference, model_fingerprints
+from ..system import usable_cpus
 from . import format as fmt
 from . import reader, sharded, snapshot, writer
 from .interval import AutoInterval
@@ -139,14 +140,6 @@ def _prepare(final, comm, parallel, run_config=None, metrics=None, reason="manua
 # 0.26-0.27 s at +10, while the save itself took longer. Given a core of its own the writer
 # barely touches the training either way (docs/performance.md).
 WRITER_NICE = 10
-
-
-def _one_core():
-    """True when this process may run on one CPU only (Linux; False where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0)) == 1
-    except (AttributeError, OSError):
-        return False
 
 
 def lower_priority(nice=WRITER_NICE):
@@ -320,7 +313,7 @@ class CheckpointManager:
                    "h5py was built without MPI support (h5py.get_config().mpi is False)")
             log.warning("%s: rank 0 writes and reads checkpoints alone (serial HDF5); "
                         "build h5py with HDF5_MPI=ON (scripts/setup.sh) for parallel I/O", why)
-        if cfg.async_save and world.is_root and _one_core():
+        if cfg.async_save and world.is_root and usable_cpus() == 1:
             log.warning("checkpoint.async_save: this rank may run on one core only (its CPU affinity), so the "
                         "background writer's CPU time comes out of training's (measured: barely less stall than "
                         "a blocking save); give each rank a core more: mpirun --map-by slot:PE=2 (or --bind-to "

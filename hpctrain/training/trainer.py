@@ -239,8 +239,11 @@ class Trainer:
                   f"{sampler.steps_per_epoch} steps/epoch; "
                   f"run dir {run_dir}")
         from .. import allocator
+        from ..world import mpi_settings
 
         self._log(allocator.tune())  # what hpctrain set for the user (docs/performance.md)
+        if mpi_settings():
+            self._log(mpi_settings())
         for note in getattr(cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
             self._log(note)
         if split is not None:
