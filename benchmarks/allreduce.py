@@ -61,11 +61,12 @@ def main():
 
     import numpy as np
     import torch
-    from mpi4py import MPI
 
     from hpctrain.backends import get_backend
 
-    world = init()
+    world = init()  # first: hpctrain's MPI settings apply only before MPI starts
+    from mpi4py import MPI
+
     comm = world.comm
     backends = {c: get_backend(args.backend, world, compression=c) for c in ("none", "fp16")}
     rows = []

@@ -20,7 +20,8 @@ KIB, MIB, GIB = 2 ** 10, 2 ** 20, 2 ** 30
 
 
 def init(threads=1):
-    """The MPI world of this launch, with ``threads`` torch threads per rank."""
+    """The MPI world of this launch, with ``threads`` torch threads per rank. Call it before
+    importing mpi4py's ``MPI``: MPI starts here, with hpctrain's settings, as in training."""
     import torch
 
     from hpctrain.world import init_world

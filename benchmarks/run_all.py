@@ -63,18 +63,20 @@ def plan(quick, out):
     launches.append((name, 2, ["allreduce.py", "--backend", "horovod", "--horovod-cycle-ms", "1", "--reps-scale",
                                "0.3" if quick else "1.0", "--sizes", *map(str, sizes[:4])] + j(name),
                      240 if quick else 420))
-    impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none"), ("horovod", "cycle1")]
+    impls = [("ddp", "none"), ("horovod", "none"), ("horovod", "fp16"), ("mpi", "none"), ("horovod", "cycle1"),
+             ("horovod", "spin")]
     steps = ["--steps", "4", "--warmup", "2", "--block", "2"] if quick else ["--steps", "20", "--warmup", "4"]
     # DDP and the backends alternate in rounds, so that a change in the machine's load hits
     # each of them alike; the report takes each round's ratio to that round's DDP step.
     for model in (("large",) if quick else ("large", "small")):
         for r in range(1 if quick else ROUNDS):
             for impl, comp in impls:
-                if comp == "cycle1" and (quick or model != "large"):
+                if comp in ("cycle1", "spin") and (quick or model != "large"):
                     continue
-                # cycle1: Horovod's own 1 ms cycle, against hpctrain's default in the same rounds.
+                # Against hpctrain's defaults in the same rounds: cycle1, Horovod's own 1 ms cycle;
+                # spin, Open MPI's own waits (what a rank gets where hpctrain could not set them).
                 extra = ["--compression", "none", "--horovod-cycle-ms", "1"] if comp == "cycle1" else \
-                    ["--compression", comp]
+                    ["--compression", "none", "--mpi-waits", "spin"] if comp == "spin" else ["--compression", comp]
                 name = f"train_step-{model}-{impl}-{comp}-2" + (f"-r{r}" if r else "")
                 launches.append((name, 2, ["train_step.py", "--impl", impl] + extra
                                  + ["--model", model] + steps + j(name), 240 if quick else 300))

@@ -110,16 +110,22 @@ def main():
     parser.add_argument("--block", type=int, default=5, help="steps per interleaved block")
     parser.add_argument("--horovod-cycle-ms", type=float, default=None,
                         help="HOROVOD_CYCLE_TIME for this launch (default: hpctrain's choice, or the environment's)")
+    parser.add_argument("--mpi-waits", choices=("yield", "spin"), default=None,
+                        help="MPI waits yield the core (hpctrain's default) or spin (Open MPI's own, for a rank "
+                             "not oversubscribed): OMPI_MCA_mpi_yield_when_idle for this launch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.horovod_cycle_ms is not None:
         os.environ["HOROVOD_CYCLE_TIME"] = str(args.horovod_cycle_ms)  # read when Horovod starts
+    if args.mpi_waits is not None:  # read when MPI starts, in init() below
+        os.environ["OMPI_MCA_mpi_yield_when_idle"] = "1" if args.mpi_waits == "yield" else "0"
 
     import numpy as np
     import torch
+
+    world = init(threads=1)  # first: hpctrain's MPI settings apply only before MPI starts
     from mpi4py import MPI
 
-    world = init(threads=1)
     comm = world.comm
     if args.impl == "ddp":
         init_ddp(world)
@@ -171,6 +177,9 @@ def main():
         # Horovod's cycle time: what this launch asked for (None: hpctrain's default), what ran.
         "cycle_asked_ms": args.horovod_cycle_ms if args.impl == "horovod" else None,
         "cycle_ms": os.environ.get("HOROVOD_CYCLE_TIME") if args.impl == "horovod" else None,
+        # MPI waits: what this launch asked for (None: hpctrain's default), and what MPI started with.
+        "mpi_waits_asked": args.mpi_waits,
+        "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
     }
     # What communication adds to a step, however it overlaps: the step minus the local one.
     result["exposed_comm_s"] = result["step_s"] - result["local_step_s"]

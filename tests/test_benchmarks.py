@@ -271,7 +271,7 @@ def test_alternated_rounds_give_median_and_spread(tmp_path):
     assert targets(table) == {"step mpi none, large model, <= DDP (normalised)": ("1.00", "met")}
 
 
-def test_horovods_own_cycle_is_a_row_of_its_own(tmp_path):
+def test_horovods_own_cycle_and_spinning_waits_are_rows_of_their_own(tmp_path):
     from report import render
 
     for r in range(2):
@@ -283,6 +283,9 @@ def test_horovods_own_cycle_is_a_row_of_its_own(tmp_path):
         horovods["results"]["cycle_asked_ms"] = 1.0
         (tmp_path / f"train_step-large-horovod-none-2{suffix}.json").write_text(json.dumps(hpctrain_default))
         (tmp_path / f"train_step-large-horovod-cycle1-2{suffix}.json").write_text(json.dumps(horovods))
+        spinning = _step_doc("horovod", 0.16, 0.15)
+        spinning["results"].update(mpi_waits_asked="spin", mpi_yield_when_idle="0")
+        (tmp_path / f"train_step-large-horovod-spin-2{suffix}.json").write_text(json.dumps(spinning))
     table = render(str(tmp_path))
     rows = {}
     for line in table.splitlines():  # the training-step table comes first
@@ -290,3 +293,5 @@ def test_horovods_own_cycle_is_a_row_of_its_own(tmp_path):
             rows.setdefault(line.split(" |")[0], line)
     assert "| 0.90 | 0.90 | 0.90-0.90 |" in rows["| horovod none"]  # x DDP, normalised, spread
     assert "| 1.10 | 1.10 | 1.10-1.10 |" in rows["| horovod none 1 ms cycle"]
+    # Open MPI's spinning waits: 1.6x DDP's step; normalised by its own slowed local step, 0.53.
+    assert "| 160 | 1.60 | 0.53 | 0.53-0.53 |" in rows["| horovod none MPI waits spin"]
