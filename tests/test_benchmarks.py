@@ -138,12 +138,17 @@ def test_small_buffers_show_horovods_floor_against_the_target(tmp_path):
                     row("horovod_one_tensor", nbytes, one, fused), row("horovod_none", nbytes, many, fused)]
     (tmp_path / "allreduce-horovod-2.json").write_text(json.dumps({"benchmark": "allreduce", "ranks": 2,
                                                                     "results": results}))
+    # The baseline is the mpi launch's Allreduce where there is one (4 MiB here): not the one
+    # beside Horovod's thread, which the scheduler can hold up.
+    clean = row("fused_allreduce", 4 * 2 ** 20, 0.5, 0.5)
+    (tmp_path / "allreduce-mpi-2.json").write_text(json.dumps({"benchmark": "allreduce", "ranks": 2,
+                                                               "results": [clean]}))
     table = render(str(tmp_path))
-    assert "| 256 KiB | 0.050 | 0.075 | 0.200 | 0.250, 5.00 | 0.600, 12.00 | yes |" in table
-    assert "| 4 MiB | 0.700 | 1.050 | 0.200 | 0.900, 1.29 | 1.000, 1.43 | no |" in table
+    assert "| 256 KiB | 0.050 | 0.050 | 0.075 | 0.200 | 0.250, 5.00 | 0.600, 12.00 | yes |" in table
+    assert "| 4 MiB | 0.500 | 0.700 | 0.750 | 0.200 | 0.900, 1.80 | 1.000, 2.00 | no |" in table
     got = targets(table)
     assert got["small sync horovod none 256 KiB 2 ranks <= 1.5x fused"] == ("12.00", "MISSED")
-    assert got["small sync horovod none 4 MiB 2 ranks <= 1.5x fused"] == ("1.43", "met")
+    assert got["small sync horovod none 4 MiB 2 ranks <= 1.5x fused"] == ("2.00", "MISSED")
 
 
 def test_no_measurements_no_targets(tmp_path):
