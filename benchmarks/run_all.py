@@ -1,6 +1,6 @@
 """Run every benchmark under mpirun and print the table (``make bench``).
 
-    python benchmarks/run_all.py                 # ~25 minutes on 2 cores
+    python benchmarks/run_all.py                 # ~30 minutes on 2 cores
     BENCH_QUICK=1 python benchmarks/run_all.py   # ~2 minutes: small sizes, few steps
 
 Results: ``bench-results/<timestamp>/*.json`` (one file per launch), ``table.md`` (what is
