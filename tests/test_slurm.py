@@ -122,9 +122,9 @@ def test_requeue_helper_puts_the_job_back(slurm_cluster, tmp_path, array):
     for out in outputs:
         text = out.read_text()
         # each task requeued itself (the array task by its <array>_<task> name), not the array
-        assert text.count("requeued Slurm job") == 1 and text.count("done") == 1, text
+        assert text.count("requeueing Slurm job") == 1 and text.count("done") == 1, text
         if array:
-            assert f"requeued Slurm job {out.stem}" in text, text
+            assert f"requeueing Slurm job {out.stem}" in text, text
 
 
 HOLD = textwrap.dedent("""

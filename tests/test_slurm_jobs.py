@@ -130,7 +130,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(slurm_c
     assert "SIGUSR1: asking the ranks to checkpoint and stop" in out
     stop = int(out.split("stop requested: saving at step ")[1].split()[0])
     assert 30 <= stop < LONG_STEPS, out
-    assert "exit status 3" in out and f"requeued Slurm job {job}" in out
+    assert "exit status 3" in out and f"requeueing Slurm job {job}" in out
     assert "(start 2)" in out and f"done at step {LONG_STEPS}" in out
     second_start = out.split("(start 2)")[1]
     assert "step 10/" not in second_start and f"step {stop // 10 * 10 + 10}/" in second_start  # resumed

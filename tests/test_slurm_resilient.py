@@ -76,7 +76,7 @@ def test_warning_signal_checkpoints_and_requeues_through_the_supervisor(slurm_cl
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out}"
     first, second = out.split("(start 2)")
     stop = int(re.search(r"stop requested: saving at step (\d+)", first).group(1))
-    assert "exit status 3" in first and f"requeued Slurm job {job}" in first, out
+    assert "exit status 3" in first and f"requeueing Slurm job {job}" in first, out
     assert "relaunching" not in first, out  # a requested stop is passed on, not relaunched
     assert f"resumed from" in second and f"done at step {steps}" in second, out
     assert latest_checkpoint(tmp_path / "runs" / f"hpctrain-resilient-{job}").name == f"ckpt-{steps:08d}.h5"

@@ -93,14 +93,14 @@ def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(sl
     assert "SIGUSR1: asking the ranks to checkpoint and stop" in first, out
     saved = int(re.search(r"stop requested: saving at step (\d+)", first).group(1))
     assert saved > 20, out  # many steps ran before the warning
-    assert "exit status 3" in first and f"requeued Slurm job {job}" in first, out
+    assert "exit status 3" in first and f"requeueing Slurm job {job}" in first, out
     assert "before it could make progress" not in first, out
 
     # start 2: start-up outlasted the time to the warning; the ranks kept the early flag
     # (no status 138), resumed, saved after one step, and the job named the problem and stopped
     assert f"resumed from" in second and "slow start: held" in second and "warned: True" in second, out
     assert f"stop requested: saving at step {saved + 1}" in second, out
-    assert "exit status 3" in second and "requeued Slurm job" not in second, out
+    assert "exit status 3" in second and "requeueing Slurm job" not in second, out
     m = re.search(r"start 2 was warned before it could make progress: SIGUSR1 came (\d+) s after the launch, "
                   r"(-?\d+) s before the time limit \(--time 1:00\); start-up \(launch to run directory set up\) "
                   r"took (\d+) s; steps (\d+) -> (\d+)", second)
@@ -150,7 +150,7 @@ def test_ranks_killed_by_the_forwarded_signal_are_requeued(slurm_cluster, tmp_pa
     assert status > 128, out  # the ranks died of the signal
     assert f"the ranks ended with status {status} after the stop was asked; requeueing all the same" in first
     assert "start 1 was warned before it could make progress" in first and "steps 0 -> 0" in first, out
-    assert "the ranks never set up the run" in first and f"requeued Slurm job {job}" in first, out
+    assert "the ranks never set up the run" in first and f"requeueing Slurm job {job}" in first, out
     assert second.count("done") == 2 and "exit status 0" in second, out
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", record
     assert not (tmp_path / "runs" / f"hpctrain-preemptible-{job}" / ".hpctrain-stalled-starts").exists()

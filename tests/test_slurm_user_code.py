@@ -70,6 +70,6 @@ def test_python_script_through_preemptible_sbatch_requeues_and_resumes(slurm_clu
     out = output.read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out[-4000:]}"
     stop = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
-    assert "exit status 3" in out and f"requeued Slurm job {job}" in out, out
+    assert "exit status 3" in out and f"requeueing Slurm job {job}" in out, out
     second = out.split("(start 2)")[1]
     assert f"at step {stop}" in second and "done at step 1120" in second, out  # 20 epochs x 56 steps

@@ -120,6 +120,9 @@ def requeue_if_possible(environ=None, scontrol=None, timeout=60):
             f"cannot requeue Slurm job {job}: `scontrol` is not on PATH ({env.get('PATH', '')})",
             hint="load the Slurm module in the job script, or resubmit it yourself; "
                  "the run resumes from its latest checkpoint")
+    # Said before asking: Slurm ends this job as soon as the request is taken, often before
+    # scontrol's answer is read, and a line printed after it would be lost with the job.
+    print(f"hpctrain: requeueing Slurm job {job} (scontrol requeue)", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
