@@ -155,9 +155,9 @@ def cpu_threads_per_rank(local_size, environ=None):
 # Open MPI's ranks spin on their core while they wait in MPI. Horovod's background thread
 # waits that way in every cycle, on the core that the training thread needs when a rank has
 # one. Measured here (2 ranks, one core each): an idle Horovod made a matrix-multiply loop
-# 1.6x slower and the 25M-parameter training step 1.6x slower (316-331 against 196-206 ms);
-# with the waits yielding the core, neither slowed, and MPI's own latencies (8 B - 64 MiB)
-# did not change (docs/performance.md). Open MPI reads this when MPI starts.
+# 1.3-1.9x slower, and the 25M-parameter training step took 312-334 ms against 215-216 ms;
+# with the waits yielding the core, the loop did not slow, and MPI's own latencies (8 B -
+# 64 MiB) did not change (docs/performance.md). Open MPI reads this when MPI starts.
 YIELD_VARIABLE = "OMPI_MCA_mpi_yield_when_idle"
 _mpi_note = None  # what mpi_defaults() did, for the run's first lines
 
