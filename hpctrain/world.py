@@ -179,7 +179,8 @@ def mpi_defaults(environ=None, mpi_started=None):
 
 
 def mpi_settings():
-    """The phrase :func:`init_world` logged for MPI's settings, or None before it ran."""
+    """What :func:`init_world` did with MPI's settings, as a phrase for the run's first lines
+    (the trainer logs it), or None before it ran."""
     return _mpi_note
 
 
