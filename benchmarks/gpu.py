@@ -14,6 +14,8 @@ import time
 from common import MIB, median, write_result
 
 SIZES = [64 * MIB, 256 * MIB]
+# hpctrain's horovod backend refuses ranks that share a GPU (NCCL holds one rank per GPU).
+SHARED_HOROVOD = "ranks share a GPU: NCCL needs one rank per GPU"
 
 
 def cuda_timed(comm, fn, reps, warmup=2):
@@ -69,6 +71,9 @@ def step_rows(world, shared, reps, width):
     y = torch.randint(0, 16, (256,), device=world.device)
     loss_fn = torch.nn.CrossEntropyLoss()
     for impl in ("ddp", "horovod", "mpi"):
+        if impl == "horovod" and shared:
+            rows.append({"impl": impl, "skipped": SHARED_HOROVOD})
+            continue
         try:
             torch.manual_seed(0)
             model = build("large", width).to(world.device)
@@ -115,14 +120,17 @@ def main():
         raise SystemExit("benchmarks/gpu.py: no CUDA device here. HINT: run it where nvidia-smi sees a GPU")
     world = init_world()  # pinned as the trainer pins: cuda:<local rank % GPUs>
     shared = world.local_size > torch.cuda.device_count()
-    result = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+    result = {"device": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "ranks": world.size,
               "ranks_share_a_gpu": shared, "allreduce": [], "step": []}
     for backend in ("horovod", "mpi"):
+        if backend == "horovod" and shared:
+            result["allreduce"].append({"backend": backend, "skipped": SHARED_HOROVOD})
+            continue
         try:
             result["allreduce"] += allreduce_rows(world, backend, args.reps)
         except Exception as exc:
             result["allreduce"].append({"backend": backend, "error": f"{type(exc).__name__}: {exc}"[:500]})
-    by = {(r["backend"], r.get("compression"), r.get("bytes")): r for r in result["allreduce"] if "error" not in r}
+    by = {(r["backend"], r.get("compression"), r.get("bytes")): r for r in result["allreduce"] if "median_s" in r}
     for (backend, compression, nbytes), r in by.items():
         if compression == "fp16" and (backend, "none", nbytes) in by:
             r["fp16_over_fp32"] = r["median_s"] / by[(backend, "none", nbytes)]["median_s"]

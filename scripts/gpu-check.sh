@@ -9,7 +9,8 @@
 #   2. runs the GPU tests (tests/test_gpu.py: ranks sharing one GPU, fp16 with a GradScaler,
 #      Horovod on CUDA tensors with MPI and NCCL operations);
 #   3. runs the GPU benchmark (benchmarks/gpu.py: fp16 against fp32 all-reduce of CUDA tensors
-#      of 64 and 256 MiB; a training step against DDP over NCCL) into OUT_DIR/gpu.json.
+#      of 64 and 256 MiB; a training step against DDP) with one rank per GPU (NCCL) into
+#      OUT_DIR/gpu.json, and with two ranks per GPU (through host memory) into gpu-shared.json.
 #
 # Where no GPU is visible it says so and exits 3 before building anything.
 set -euo pipefail
@@ -30,7 +31,14 @@ start=$(date +%s)
 # it is: a multi-GB download per venv helps no one.
 if [ ! -x "$VENV/bin/python" ] && python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   say "using the system's CUDA PyTorch ($(python3 -c 'import torch; print(torch.__version__)')) in $VENV"
-  python3 -m venv --system-site-packages "$VENV"
+  # Without ensurepip (a distribution's python3 lacking its venv package) the venv uses the pip
+  # of the outer environment, which the .pth file below makes visible.
+  python3 -m venv --system-site-packages "$VENV" 2>/dev/null || python3 -m venv --clear --without-pip --system-site-packages "$VENV"
+  # A python3 that is itself a venv or conda environment keeps its packages out of the "system"
+  # ones of a venv made from it: a .pth file adds them, behind the new venv's own builds.
+  site_dir=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  python3 -c 'import site; print("\n".join("import site; site.addsitedir(%r)" % p for p in site.getsitepackages()))' \
+    > "$site_dir/_hpctrain_outer_env.pth"
 fi
 bash scripts/setup.sh
 PY=$VENV/bin/python
@@ -47,5 +55,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 mkdir -p "$OUT"
 MPIRUN=(mpirun --oversubscribe)
 [ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
-"${MPIRUN[@]}" -n 2 --timeout 300 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json"
-say "done in $(( $(date +%s) - start )) s; figures in $OUT/gpu.json"
+GPUS=$(nvidia-smi -L | grep -c '^GPU')
+# One rank per GPU: the NCCL paths (Horovod, DDP). Then two ranks per GPU: what sharing a GPU
+# costs on the paths that allow it (hpctrain's mpi backend through host memory, DDP over gloo).
+"${MPIRUN[@]}" -n "$GPUS" --timeout 300 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json"
+"${MPIRUN[@]}" -n $((2 * GPUS)) --timeout 300 "$PY" benchmarks/gpu.py --out "$OUT/gpu-shared.json"
+say "done in $(( $(date +%s) - start )) s; figures in $OUT/gpu.json and $OUT/gpu-shared.json"

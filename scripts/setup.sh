@@ -28,6 +28,10 @@ JOBS=${HPCTRAIN_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+# A build left running in the background is stopped with its compilers when setup stops early.
+kill_tree() { local child; for child in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$child"; done; kill "$1" 2>/dev/null || true; }
+horovod_pid=
+trap '[ -z "$horovod_pid" ] || kill_tree "$horovod_pid"' EXIT
 
 # ---------------------------------------------------------------- system stack
 have_parallel_hdf5() {
@@ -111,8 +115,36 @@ cached_wheel() {
   ls "$dir"/*.whl | head -n1
 }
 
+# Horovod 0.28.1 asks for C++14, PyTorch >= 2.1 headers need C++17: patch the sdist.
+build_horovod() {
+  "$PY" -m pip download -q --no-deps --no-binary=:all: "horovod==$HOROVOD_VERSION" -d .
+  tar xzf horovod-*.tar.gz
+  cd horovod-$HOROVOD_VERSION
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' CMakeLists.txt horovod/torch/CMakeLists.txt
+  local gpu=()
+  [ "$CUDA" = cuda ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+  # CMake >= 4 refuses the cmake_minimum_required(2.8.12) of Horovod's bundled gloo without this.
+  env CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+      HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$JOBS" "${gpu[@]}" \
+      "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$OUTDIR"
+}
+# Horovod takes the longest to build and needs neither mpi4py nor h5py: on a node with many
+# cores it builds in the background while they do.
+HOROVOD_KEY="$HOROVOD_VERSION-$PYVER-torch$TORCH_VERSION-$MPI_ID-$CUDA"
+HOROVOD_WHEEL_PATH=$(mktemp)
+if ! pyok 'import horovod.torch'; then
+  cached_wheel horovod "$HOROVOD_KEY" build_horovod > "$HOROVOD_WHEEL_PATH" &
+  horovod_pid=$!
+fi
+
+# An mpi4py that some other MPI built (a PyPI wheel in a system Python, another module) is
+# rebuilt against this one: its library must report the version that mpirun reports.
+MPI_VERSION=$(mpirun --version 2>&1 | grep -o '[0-9][0-9]*\.[0-9][0-9.]*' | head -n1 || true)
+mpi4py_matches() {
+  "$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version())' 2>/dev/null | grep -qF "${MPI_VERSION:-?}"
+}
 build_mpi4py() { CC=mpicc "$PY" -m pip wheel -q --no-deps --no-binary=mpi4py mpi4py -w "$OUTDIR"; }
-if ! pyok 'from mpi4py import MPI'; then
+if ! mpi4py_matches; then
   whl=$(cached_wheel mpi4py "$PYVER-$MPI_ID" build_mpi4py)
   "${PIP[@]}" --no-deps "$whl"
 fi
@@ -141,23 +173,13 @@ if ! ls "$SERIAL_H5PY"/h5py-*.whl >/dev/null 2>&1; then
     || say "WARNING: could not download it; only tests/test_doctor.py::test_serial_h5py_names_the_fix needs it"
 fi
 
-# Horovod 0.28.1 asks for C++14, PyTorch >= 2.1 headers need C++17: patch the sdist.
-build_horovod() {
-  "$PY" -m pip download -q --no-deps --no-binary=:all: "horovod==$HOROVOD_VERSION" -d .
-  tar xzf horovod-*.tar.gz
-  cd horovod-$HOROVOD_VERSION
-  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' CMakeLists.txt horovod/torch/CMakeLists.txt
-  local gpu=()
-  [ "$CUDA" = cuda ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
-  env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-      HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$JOBS" "${gpu[@]}" \
-      "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$OUTDIR"
-}
-if ! pyok 'import horovod.torch'; then
-  whl=$(cached_wheel horovod "$HOROVOD_VERSION-$PYVER-torch$TORCH_VERSION-$MPI_ID-$CUDA" build_horovod)
-  "${PIP[@]}" --no-deps "$whl"
+if [ -n "$horovod_pid" ]; then
+  wait "$horovod_pid" || { horovod_pid=; die "building horovod failed (see above)"; }
+  horovod_pid=
+  "${PIP[@]}" --no-deps "$(cat "$HOROVOD_WHEEL_PATH")"
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
 fi
+rm -f "$HOROVOD_WHEEL_PATH"
 
 # ---------------------------------------------------------------- hpctrain itself
 # With the dependencies setup.cfg declares (torch, mpi4py, h5py and Horovod are deliberately

@@ -141,7 +141,18 @@ class SlurmCluster:
         self.run(["scancel", job_id], check=False)
         raise AssertionError(f"Slurm job {job_id} did not finish in {timeout}s: "
                              f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}\n"
-                             f"{self.log_tail()}")
+                             f"{self.job_output_tail(records)}{self.log_tail()}")
+
+    @staticmethod
+    def job_output_tail(records, chars=6000):
+        """The end of each job's output file (where a hung job's own words are)."""
+        said = []
+        for path in sorted({r.get("StdOut") for r in records if r.get("StdOut")}):
+            try:
+                said.append(f"--- {path}\n{Path(path).read_text(errors='replace')[-chars:]}")
+            except OSError as exc:
+                said.append(f"--- {path}: {exc}")
+        return "".join(s + "\n" for s in said)
 
     def wait_for(self, predicate, timeout, what, poll=0.5):
         deadline = time.monotonic() + timeout

@@ -60,15 +60,57 @@ def test_ranks_are_pinned_to_gpus_also_when_they_outnumber_them(ranks):
         assert device == f"cuda:{index}" and int(current) == index
 
 
+def _gpus():
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _horovod_nccl():
+    try:
+        import horovod.torch as hvd
+
+        return bool(hvd.nccl_built())
+    except Exception:
+        return False
+
+
+TRAIN = [str(ROOT / "examples" / "digits.toml"), "train.max_steps=6", "train.epochs=1"]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_training_on_gpus_with_ranks_sharing_them(tmp_path, digits, backend):
+def test_training_with_one_rank_per_gpu(tmp_path, digits, backend):
     run_dir = tmp_path / "run"
-    hpctrain(2, "train", str(ROOT / "examples" / "digits.toml"), f"data.path={digits}", f"run.run_dir={run_dir}",
-             f"comm.backend={backend}", "train.max_steps=6", "train.epochs=1", timeout=300, check=True)
+    hpctrain(_gpus(), "train", *TRAIN, f"data.path={digits}", f"run.run_dir={run_dir}", f"comm.backend={backend}",
+             timeout=300, check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 6 for r in records)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_training_with_ranks_sharing_gpus_through_host_memory(tmp_path, digits):
+    run_dir = tmp_path / "run"
+    hpctrain(2 * _gpus(), "train", *TRAIN, f"data.path={digits}", f"run.run_dir={run_dir}", "comm.backend=mpi",
+             timeout=300, check=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 6 for r in records)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_horovod_on_nccl_refuses_ranks_sharing_a_gpu_on_every_rank(tmp_path, digits):
+    if not _horovod_nccl():
+        pytest.skip("this Horovod was built without NCCL")
+    ranks = 2 * _gpus()
+    proc = hpctrain(ranks, "train", *TRAIN, f"data.path={digits}", f"run.run_dir={tmp_path / 'run'}",
+                    "comm.backend=horovod", timeout=300)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert said.count("some ranks share a GPU") >= ranks, said[-3000:]
+    assert 'comm.backend = "mpi"' in said and "one rank per GPU" in said
 
 
 @pytest.mark.gpu
@@ -99,6 +141,8 @@ def test_horovod_averages_cuda_tensors(compression):
             "m.weight.grad = torch.full_like(m.weight, float(w.rank + 1)); b.synchronize(o); "
             "print('mean', float(m.weight.grad.mean()), m.weight.grad.device.type, flush=True); b.close()"
             % compression)
-    out = mpirun(2, ["-c", code], timeout=180, check=True).stdout
+    ranks = _gpus()  # NCCL: one rank per GPU
+    out = mpirun(ranks, ["-c", code], timeout=180, check=True).stdout
     means = [line.split() for line in out.splitlines() if line.startswith("mean")]
-    assert len(means) == 2 and all(float(v) == pytest.approx(1.5) and dev == "cuda" for _, v, dev in means)
+    expected = (ranks + 1) / 2  # the mean of 1..ranks
+    assert len(means) == ranks and all(float(v) == pytest.approx(expected) and dev == "cuda" for _, v, dev in means)

@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def test_pipeline_config_runs_as_a_slurm_job(slurm_cluster, tmp_path, digits):
-    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs")})
+    # A step that hangs dumps every rank's stack into the job's output and ends the job,
+    # which the failure then shows (steps here take well under a second).
+    env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_WATCHDOG_TIMEOUT": "90"})
     job = slurm_cluster.sbatch(ROOT / "slurm" / "train.sbatch", "examples/pipeline_mlp.toml",
                                f"data.path={digits}", "train.max_steps=6", "checkpoint.every_steps=3",
                                "monitor.log_every=3", env=env,

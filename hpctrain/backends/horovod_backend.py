@@ -74,6 +74,38 @@ def _compressor(hvd, name):
     return compressors[name]
 
 
+def gpu_identity(device):
+    """The physical GPU behind ``device`` ("cuda:1"), the same whatever CUDA_VISIBLE_DEVICES
+    renumbers: its UUID where torch reports one, else its PCI address."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    return ":".join(str(getattr(props, k, "?")) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+
+
+def ranks_sharing_a_gpu(placements):
+    """``placements``: (node, GPU identity) per rank, in rank order. Returns the groups of
+    ranks (lists of two or more) that run on the same GPU of the same node (pure)."""
+    groups = {}
+    for rank, where in enumerate(placements):
+        groups.setdefault(tuple(where), []).append(rank)
+    return [ranks for ranks in groups.values() if len(ranks) > 1]
+
+
+def nccl_sharing_error(groups, nodes):
+    """The error for ranks that share a GPU under NCCL, which holds one rank of a
+    communicator per GPU ("Duplicate GPU detected"); ``nodes``: node name per rank."""
+    shown = "; ".join(f"ranks {', '.join(map(str, g))} on {nodes[g[0]]}" for g in groups[:3])
+    return ConfigError(
+        f"the horovod backend averages GPU tensors with NCCL, which needs one GPU per rank, but "
+        f"some ranks share a GPU ({shown}{'; ...' if len(groups) > 3 else ''})",
+        hint="start one rank per GPU (e.g. srun --ntasks-per-node=<GPUs per node>, or mpirun -n <GPUs>), "
+             'or let ranks share GPUs with the mpi4py backend: comm.backend = "mpi" (it averages through host memory)')
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -88,6 +120,13 @@ class HorovodBackend(Backend):
                 f"Horovod sees rank {hvd.rank()} of {hvd.size()} but MPI says rank {world.rank} "
                 f"of {world.size}", hint="rebuild Horovod against the MPI that mpi4py uses (`make setup`)")
         self._compressor = _compressor(hvd, compression)
+        if world.device.startswith("cuda") and hvd.nccl_built():
+            # Every rank takes part, so every rank raises the same error, before NCCL would
+            # fail inside Horovod's background thread at the first all-reduce.
+            placements = world.comm.allgather((world.node, gpu_identity(world.device)))
+            groups = ranks_sharing_a_gpu(placements)
+            if groups:
+                raise nccl_sharing_error(groups, [node for node, _ in placements])
 
     process_set = None  # gradients average over the whole world (a process set: a group)
 
