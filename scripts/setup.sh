@@ -83,9 +83,9 @@ say "MPI: $(command -v mpicc) ($MPI_ID); HDF5 $HDF5_VERSION; $CUDA"
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV with $($PYTHON --version 2>&1)"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip wheel
+  "$VENV/bin/python" -m pip install -q --upgrade pip wheel || say "pip and wheel not upgraded (no index?): the venv's own are used"
 fi
-PY="$ROOT/$VENV/bin/python"
+case $VENV in /*) PY="$VENV/bin/python" ;; *) PY="$ROOT/$VENV/bin/python" ;; esac
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
 PYVER=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
 
@@ -99,6 +99,9 @@ pyok 'import numpy, pytest, cython, pkgconfig, setuptools, packaging, psutil' ||
   "${PIP[@]}" numpy pytest cython pkgconfig setuptools packaging psutil
 }
 
+# The builds below are installed with --ignore-installed: a package of the same version that an
+# outer environment provides (a venv over a system or conda Python) would otherwise count as
+# installed, and the build would be skipped.
 # Build (or reuse) a wheel of a compiled package. $1 name, $2 cache key, $3.. build command
 # run in a scratch dir that must leave exactly one wheel in $OUTDIR.
 cached_wheel() {
@@ -123,8 +126,12 @@ build_horovod() {
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' CMakeLists.txt horovod/torch/CMakeLists.txt
   local gpu=()
   [ "$CUDA" = cuda ] && gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
-  # CMake >= 4 refuses the cmake_minimum_required(2.8.12) of Horovod's bundled gloo without this.
-  env CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+  # CMake >= 4 refuses the cmake_minimum_required(2.8.12) of Horovod's bundled gloo without this,
+  # and GCC >= 13 no longer brings <string>/<stdexcept>/<cstdint> in through other headers,
+  # which some of Horovod's headers relied on.
+  env CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}" \
+      CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept" \
+      HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
       HOROVOD_CPU_OPERATIONS=MPI MAKEFLAGS=-j"$JOBS" "${gpu[@]}" \
       "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$OUTDIR"
 }
@@ -146,7 +153,7 @@ mpi4py_matches() {
 build_mpi4py() { CC=mpicc "$PY" -m pip wheel -q --no-deps --no-binary=mpi4py mpi4py -w "$OUTDIR"; }
 if ! mpi4py_matches; then
   whl=$(cached_wheel mpi4py "$PYVER-$MPI_ID" build_mpi4py)
-  "${PIP[@]}" --no-deps "$whl"
+  "${PIP[@]}" --no-deps --ignore-installed "$whl"
 fi
 
 build_h5py() {
@@ -155,7 +162,7 @@ build_h5py() {
 if ! pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)'; then
   "$PY" -m pip uninstall -q -y h5py >/dev/null 2>&1 || true
   whl=$(cached_wheel h5py "$PYVER-hdf5-$HDF5_VERSION-$MPI_ID" build_h5py)
-  "${PIP[@]}" --no-deps "$whl"
+  "${PIP[@]}" --no-deps --ignore-installed "$whl"
   pyok 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)' \
     || die "h5py was installed but has no MPI support; check that HDF5 ($HDF5_VERSION) is a parallel build"
 fi
@@ -176,7 +183,7 @@ fi
 if [ -n "$horovod_pid" ]; then
   wait "$horovod_pid" || { horovod_pid=; die "building horovod failed (see above)"; }
   horovod_pid=
-  "${PIP[@]}" --no-deps "$(cat "$HOROVOD_WHEEL_PATH")"
+  "${PIP[@]}" --no-deps --ignore-installed "$(cat "$HOROVOD_WHEEL_PATH")"
   "${PIP[@]}" cloudpickle psutil pyyaml packaging cffi
 fi
 rm -f "$HOROVOD_WHEEL_PATH"
