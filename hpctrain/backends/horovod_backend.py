@@ -106,6 +106,18 @@ def nccl_sharing_error(groups, nodes):
              'or let ranks share GPUs with the mpi4py backend: comm.backend = "mpi" (it averages through host memory)')
 
 
+def refuse_shared_gpus(hvd, world, identity=gpu_identity):
+    """Under NCCL, stop every rank with the fix where ranks share a GPU. Collective: every
+    rank takes part, so every rank raises the same error, before NCCL would fail inside
+    Horovod's background thread at the first all-reduce."""
+    if not (world.device.startswith("cuda") and hvd.nccl_built()):
+        return
+    placements = world.comm.allgather((world.node, identity(world.device)))
+    groups = ranks_sharing_a_gpu(placements)
+    if groups:
+        raise nccl_sharing_error(groups, [node for node, _ in placements])
+
+
 class HorovodBackend(Backend):
     name = "horovod"
 
@@ -120,13 +132,7 @@ class HorovodBackend(Backend):
                 f"Horovod sees rank {hvd.rank()} of {hvd.size()} but MPI says rank {world.rank} "
                 f"of {world.size}", hint="rebuild Horovod against the MPI that mpi4py uses (`make setup`)")
         self._compressor = _compressor(hvd, compression)
-        if world.device.startswith("cuda") and hvd.nccl_built():
-            # Every rank takes part, so every rank raises the same error, before NCCL would
-            # fail inside Horovod's background thread at the first all-reduce.
-            placements = world.comm.allgather((world.node, gpu_identity(world.device)))
-            groups = ranks_sharing_a_gpu(placements)
-            if groups:
-                raise nccl_sharing_error(groups, [node for node, _ in placements])
+        refuse_shared_gpus(hvd, world)
 
     process_set = None  # gradients average over the whole world (a process set: a group)
 
@@ -285,6 +291,7 @@ class HorovodProcessSetBackend(HorovodBackend):
         self.process_set = mine[0]
         self.group = groups[sets.index(self.process_set)]
         self._compressor = _compressor(hvd, compression)
+        refuse_shared_gpus(hvd, world)
 
     def broadcast_state(self, model, optimizer, root=0):
         raise NotImplementedError("broadcast within a process set goes over the group's MPI communicator "
