@@ -78,25 +78,25 @@ def _horovod_nccl():
 TRAIN = [str(ROOT / "examples" / "digits.toml"), "train.max_steps=6", "train.epochs=1"]
 
 
+def _trains_six_steps(ranks, backend, tmp_path, digits):
+    run_dir = tmp_path / "run"
+    hpctrain(ranks, "train", *TRAIN, f"data.path={digits}", f"run.run_dir={run_dir}", f"comm.backend={backend}",
+             timeout=300, check=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 6 for r in records)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
 def test_training_with_one_rank_per_gpu(tmp_path, digits, backend):
-    run_dir = tmp_path / "run"
-    hpctrain(_gpus(), "train", *TRAIN, f"data.path={digits}", f"run.run_dir={run_dir}", f"comm.backend={backend}",
-             timeout=300, check=True)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("step") == 6 for r in records)
+    _trains_six_steps(_gpus(), backend, tmp_path, digits)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_training_with_ranks_sharing_gpus_through_host_memory(tmp_path, digits):
-    run_dir = tmp_path / "run"
-    hpctrain(2 * _gpus(), "train", *TRAIN, f"data.path={digits}", f"run.run_dir={run_dir}", "comm.backend=mpi",
-             timeout=300, check=True)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("step") == 6 for r in records)
+    _trains_six_steps(2 * _gpus(), "mpi", tmp_path, digits)
 
 
 @pytest.mark.gpu

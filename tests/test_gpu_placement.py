@@ -43,7 +43,7 @@ def _world(device, placements):
     return World(1, len(placements), 1, len(placements), "n1", "mpirun", _Comm(placements), device)
 
 
-def test_both_horovod_backends_refuse_only_nccl_on_shared_gpus():
+def test_the_refusal_is_only_for_nccl_on_shared_gpus():
     import pytest
 
     from hpctrain.backends.horovod_backend import refuse_shared_gpus
