@@ -88,7 +88,7 @@ def plan(quick, out):
                              + (steps if quick else ["--steps", "12", "--warmup", "3", "--block", "4"])
                              + j(name), 240 if quick else 400))
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
-            else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "2"])
+            else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "4"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
     # The async stall where the writer has a core to itself: one rank given both cores here
     # (mpirun binds a rank to one core by default when it starts one or two).

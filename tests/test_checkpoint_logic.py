@@ -173,6 +173,59 @@ def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
     assert writer.combine_checksums(gathered, 1) == [fmt.crc32_bytes(big)]
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_background_save_copies_only_its_own_rows_checked_into_kept_buffers(workers):
+    """An async save's pieces stop aliasing training's tensors: each rank copies the rows it
+    writes, no more, into the buffers of the previous save, and finds NaN in the same pass."""
+    from hpctrain.checkpoint import writer
+    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+
+    big = np.arange(600 * 600, dtype=np.float32).reshape(600, 600)  # >= 1 MiB: split by rows
+    own = np.arange(5, dtype=np.float32)  # already the save's own memory (a GPU tensor's host copy)
+    snap = Snapshot([Entry("optimizer/state/w/exp_avg", big, {fmt.DTYPE_ATTR: "float32"}, finite=True), Entry("model/own", own, private=True),
+                     Entry("model/empty", np.zeros((0, 3), np.float32))], {}, {})
+    plan = writer.plan_snapshot(snap, 2, 1)
+    rows = plan.datasets[0].region_of(1)[0]
+    buffers = {}
+    assert writer.copy_own_pieces(plan, buffers, workers) == [] and not plan.datasets[0].private
+    piece = plan.datasets[0].mine
+    assert piece.shape == (rows[1] - rows[0], 600) and not np.shares_memory(piece, big)
+    assert np.array_equal(piece, big[rows[0]:rows[1]]) and buffers["optimizer/state/w/exp_avg"] is piece
+    big[rows[0], 7] = np.nan  # training goes on: the copy stays as it was
+    assert np.isfinite(piece).all()
+    again = writer.plan_snapshot(snap, 2, 1)
+    assert writer.copy_own_pieces(again, buffers, workers) == [0] and again.own_nonfinite == [0]
+    assert again.datasets[0].mine is piece and np.isnan(piece[0, 7])  # the same buffer, reused
+    first, theirs = writer.plan_snapshot(snap, 2, 0), {}
+    assert writer.copy_own_pieces(first, theirs, workers) == []  # rank 0's rows are finite
+    assert "model/own" not in theirs and np.shares_memory(first.datasets[1].mine, own)  # rank 0 writes it, uncopied
+
+
+def test_a_nan_refused_by_the_serial_writer_leaves_a_file_without_a_checkpoint(tmp_path):
+    """Without parallel HDF5 rank 0 writes alone, checksumming each dataset as it writes
+    it: a NaN refuses the save naming the tensor, and the file holds no checkpoint."""
+    import h5py
+
+    from hpctrain.checkpoint import writer
+    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+
+    good = np.ones((4, 4), np.float32)
+    bad = np.ones(3, np.float32)
+    bad[1] = np.inf
+    snap = Snapshot([Entry("model/a", good, {fmt.DTYPE_ATTR: "float32"}, finite=True),
+                     Entry("model/b", bad, {fmt.DTYPE_ATTR: "float32"}, finite=True)], {}, {})
+    path = str(tmp_path / "ckpt-00000001.h5.tmp")
+    with pytest.raises(fmt.NonFiniteState, match="/model/b"):
+        writer.write_serial(path, writer.plan_snapshot(snap, 1, 0))
+    with h5py.File(path, "r") as f:
+        assert fmt.METADATA_CRC_ATTR not in f.attrs
+    bad[1] = 0.0
+    sums = writer.write_serial(path, writer.plan_snapshot(snap, 1, 0))
+    assert sums == [fmt.crc32_bytes(good), fmt.crc32_bytes(bad)]
+    with h5py.File(path, "r") as f:
+        assert int(f["model/b"].attrs[fmt.CRC_ATTR]) == sums[1] and fmt.METADATA_CRC_ATTR in f.attrs
+
+
 def test_all_finite_per_dtype_as_stored():
     """NaN and infinity are found in every floating dtype, also those stored as raw bits."""
     import torch

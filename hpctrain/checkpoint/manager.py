@@ -219,11 +219,15 @@ def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reaso
 
 
 def _plan(state, info, comm, parallel, copy=False, buffers=None):
+    """This rank's plan; ``copy`` (a background save): its pieces copied into ``buffers``."""
     if sharded.is_sharded(state):  # comm.shard: each rank writes its optimizer slice's rows
         sharded.check_parallel(parallel)
         return sharded.plan(state, info, comm, copy=copy)
-    snap = snapshot.take_snapshot(state, info, copy=copy, buffers=buffers)
-    return writer.plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
+    snap = snapshot.take_snapshot(state, info, copy=False)
+    plan = writer.plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
+    if copy:
+        writer.copy_own_pieces(plan, {} if buffers is None else buffers, workers=min(4, usable_cpus()))
+    return plan
 
 
 def _comm(comm):

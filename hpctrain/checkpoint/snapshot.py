@@ -29,6 +29,7 @@ class Entry:
     array: np.ndarray
     attrs: Dict[str, Any] = field(default_factory=dict)
     finite: bool = False  # a parameter or optimizer state: NaN or infinity refuses the save
+    private: bool = False  # ``array`` is the snapshot's own memory, not a view of training's tensor
 
 
 @dataclass
@@ -244,40 +245,19 @@ def set_rng_states(rng):
 
 # ---------------------------------------------------------------- taking a snapshot
 
-def _private(path, tensor, copy, buffers):
-    """The array for ``tensor``; with ``copy``, in memory training will not touch: the
-    buffer ``buffers`` kept for ``path`` from the previous save when it still fits, since
-    fresh memory costs a page fault per page on top of the copy."""
-    if not copy or buffers is None:
-        return tensor_to_array(tensor, copy)
-    array, dtype = tensor_to_array(tensor, copy=False)
-    if tensor.device.type != "cpu":
-        return array, dtype  # .cpu() made it private already
-    buf = buffers.get(path)
-    if buf is None or buf.shape != array.shape or buf.dtype != array.dtype:
-        buf = np.empty_like(array)
-    np.copyto(buf, array)
-    return buf, dtype
-
-
-def take_snapshot(state, root_info, copy, buffers=None):
+def take_snapshot(state, root_info, copy):
     """Arrays and attributes of a checkpoint of ``state``.
 
     ``root_info``: ``{"meta": root attributes, "rng": rank 0's RNG states}`` from rank 0.
-    ``copy``: copy tensors to private host memory (asynchronous saves). ``buffers``: a dict
-    (path -> array) of host buffers to copy into, reused from one save to the next; it is
-    updated to hold exactly this snapshot's buffers. Only reuse it once the previous
-    snapshot has been written.
+    ``copy``: copy tensors to private host memory; without it the arrays of CPU tensors are
+    views of them (a background save copies only the rows its rank writes, once it has its
+    plan: :func:`.writer.copy_own_pieces`).
     """
-    old = dict(buffers) if buffers is not None else None
-    if buffers is not None:
-        buffers.clear()
 
     def entry(path, tensor, finite):
-        array, dtype = _private(path, tensor, copy, old)
-        if buffers is not None and copy:
-            buffers[path] = array
-        return Entry(path, array, {fmt.DTYPE_ATTR: dtype}, finite=finite)
+        array, dtype = tensor_to_array(tensor, copy)
+        return Entry(path, array, {fmt.DTYPE_ATTR: dtype}, finite=finite,
+                     private=copy or tensor.device.type != "cpu")  # .cpu() made a private copy
 
     description, opt_tensors = optimizer_parts(state.model, state.optimizer)
     params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}

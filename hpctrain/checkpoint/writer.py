@@ -54,6 +54,7 @@ class DatasetPlan:
     pieces: List[Tuple[int, tuple]]
     mine: Optional[np.ndarray] = None
     finite: bool = False  # must hold no NaN or infinity (parameters, optimizer state)
+    private: bool = False  # ``mine`` is the save's own memory, not a view of training's tensor
 
     @property
     def nbytes(self):
@@ -71,6 +72,7 @@ class Plan:
     root_attrs: Dict[str, Any]
     group_attrs: Dict[str, Dict[str, Any]]  # group path -> attributes
     finite_checked: bool = False  # check_finite already ran (a background save checks first)
+    own_nonfinite: Optional[List[int]] = None  # this rank's non-finite datasets, where already known
 
     @property
     def nbytes(self):
@@ -87,7 +89,7 @@ def plan_snapshot(snap, nwriters, rank):
         mine = next((array[a:b] if array.ndim else array for r, a, b in pieces if r == rank), None)
         datasets.append(DatasetPlan(entry.path, array.shape, array.dtype, entry.attrs,
                                     [(r, fmt.rows(array.shape, a, b)) for r, a, b in pieces], mine,
-                                    finite=entry.finite))
+                                    finite=entry.finite, private=entry.private))
     return Plan(datasets, snap.root_attrs, snap.group_attrs)
 
 
@@ -109,26 +111,33 @@ def own_checksums(datasets, rank, crc=True, finite=True):
     bytes does both (``crc`` / ``finite`` False: leave that part out)."""
     out, bad = [], []
     for i, d in enumerate(datasets):
-        region = d.region_of(rank)
-        if region is None:
-            continue
-        flat = np.ascontiguousarray(d.mine).reshape(-1).view(np.uint8)
-        check = finite and d.finite and fmt.can_be_nonfinite(d.attrs.get(fmt.DTYPE_ATTR, ""))
-        ok, pos = True, 0
-        for offset, nbytes in fmt.runs(d.shape, region, d.dtype.itemsize):
-            c = 0
-            for a in range(pos, pos + nbytes, SCAN_BYTES):
-                chunk = flat[a:min(pos + nbytes, a + SCAN_BYTES)]
-                if crc:
-                    c = fmt.crc32(chunk, c)
-                if check and ok:
-                    ok = fmt.all_finite(chunk.view(d.dtype), d.attrs[fmt.DTYPE_ATTR])
-            if crc:
-                out.append((i, offset, nbytes, c))
-            pos += nbytes
+        sums, ok = piece_checksums(i, d, rank, crc, finite)
+        out += sums
         if not ok:
             bad.append(i)
     return out, bad
+
+
+def piece_checksums(i, d, rank, crc=True, finite=True):
+    """``own_checksums`` of dataset ``d`` alone (its index ``i``): ``(runs, finite)``."""
+    region = d.region_of(rank)
+    if region is None:
+        return [], True
+    flat = np.ascontiguousarray(d.mine).reshape(-1).view(np.uint8)
+    check = finite and d.finite and fmt.can_be_nonfinite(d.attrs.get(fmt.DTYPE_ATTR, ""))
+    out, ok, pos = [], True, 0
+    for offset, nbytes in fmt.runs(d.shape, region, d.dtype.itemsize):
+        c = 0
+        for a in range(pos, pos + nbytes, SCAN_BYTES):
+            chunk = flat[a:min(pos + nbytes, a + SCAN_BYTES)]
+            if crc:
+                c = fmt.crc32(chunk, c)
+            if check and ok:
+                ok = fmt.all_finite(chunk.view(d.dtype), d.attrs[fmt.DTYPE_ATTR])
+        if crc:
+            out.append((i, offset, nbytes, c))
+        pos += nbytes
+    return out, ok
 
 
 def refuse_nonfinite(datasets, gathered_bad, path):
@@ -141,7 +150,7 @@ def refuse_nonfinite(datasets, gathered_bad, path):
     raise everywhere(fmt.NonFiniteState(
         f"refusing to write {os.path.basename(_final_name(path))}: NaN or infinite values in {len(bad)} "
         f"tensor(s) that must be finite: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}; "
-        f"nothing was written, the previous checkpoints and `latest` are untouched",
+        f"the checkpoint was not written, the previous checkpoints and `latest` are untouched",
         hint="the run has diverged: roll back to the last good checkpoint (CheckpointManager.load_latest, "
              "or restart with checkpoint.resume=auto) and lower the learning rate or clip gradients"))
 
@@ -164,11 +173,70 @@ def mark_finite(plan):
 
 def check_finite(plan, comm, path):
     """Collective: refuse (the same error on every rank) if a dataset marked ``finite`` holds
-    NaN or infinity. Every rank checks only the rows it will write."""
+    NaN or infinity. Every rank checks only the rows it will write (or has checked them
+    already: :func:`copy_own_pieces`)."""
     mark_finite(plan)
-    _, bad = own_checksums(plan.datasets, comm.Get_rank(), crc=False)
+    bad = plan.own_nonfinite
+    if bad is None:
+        _, bad = own_checksums(plan.datasets, comm.Get_rank(), crc=False)
     refuse_nonfinite(plan.datasets, comm.allgather(bad), path)
     plan.finite_checked = True
+
+
+# Elements a copy worker takes at a time (of SCAN_BYTES each): the unit the threads share.
+COPY_TASK_SCANS = 16
+
+
+def copy_own_pieces(plan, buffers, workers=1):
+    """A background save's pieces in memory that training does not touch.
+
+    Each piece this rank writes (``mine``, a view of training's tensor) is copied into the
+    host buffer ``buffers`` kept for its path from the previous save, where it still fits
+    (fresh memory costs a page fault per page on top of the copy), and checked for NaN in
+    the same pass, while it is in cache. Only this rank's rows are copied: on n ranks, 1/n
+    of the state. ``workers`` threads share the bytes (numpy copies and checks without the
+    GIL): cores that the rank may use and training, waiting for this, does not. ``buffers``
+    is updated to hold exactly this save's buffers; reuse them only once it is written.
+    Sets ``plan.own_nonfinite`` for :func:`check_finite`."""
+    mark_finite(plan)
+    old = dict(buffers)
+    buffers.clear()
+    tasks, checks = [], []
+    for i, d in enumerate(plan.datasets):
+        if d.mine is None or d.private:
+            continue
+        src = np.ascontiguousarray(d.mine)
+        buf = old.get(d.path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = np.empty_like(src)
+        buffers[d.path] = d.mine = buf
+        name = d.attrs.get(fmt.DTYPE_ATTR, "")
+        check = d.finite and fmt.can_be_nonfinite(name)
+        flat_src, flat_buf = src.reshape(-1), buf.reshape(-1)
+        scan = max(1, SCAN_BYTES // src.dtype.itemsize)
+        step = scan * COPY_TASK_SCANS
+        tasks += [(i, flat_src, flat_buf, lo, min(lo + step, flat_src.size), scan, name if check else None)
+                  for lo in range(0, flat_src.size, step)] or [(i, flat_src, flat_buf, 0, 0, scan, None)]
+
+    def run(task):
+        i, src, buf, lo, hi, scan, name = task
+        ok = True
+        for a in range(lo, hi, scan):
+            b = min(hi, a + scan)
+            np.copyto(buf[a:b], src[a:b])
+            if name is not None and ok:
+                ok = fmt.all_finite(buf[a:b], name)
+        return i, ok
+
+    if workers > 1 and len(tasks) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(workers, len(tasks)), thread_name_prefix="hpctrain-snapshot") as pool:
+            checks = list(pool.map(run, tasks))
+    else:
+        checks = [run(t) for t in tasks]
+    plan.own_nonfinite = sorted({i for i, ok in checks if not ok})
+    return plan.own_nonfinite
 
 
 def combine_checksums(gathered, ndatasets):
@@ -199,30 +267,34 @@ def _hint(problems):
     return "the previous checkpoint and `latest` are untouched; see the messages above for the failing rank"
 
 
-def create_layout(f, plan, checksums):
-    """Every group, dataset and attribute of ``plan``, and last the metadata checksum over
-    all of them (:func:`format.metadata_crc`), computed from the values written."""
+def create_datasets(f, plan):
+    """Every dataset of ``plan``, without attributes: those follow the data
+    (:func:`describe`), whose checksums are taken while it is written."""
+    # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
+    return [f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never") for d in plan.datasets]
+
+
+def describe(f, plan, dsets, checksums):
+    """Every attribute of the groups, of ``dsets`` (with their CRC-32) and of ``/``, and last
+    the metadata checksum over all of them (:func:`format.metadata_crc`), computed from the
+    values written."""
     groups = {}
     for gpath in sorted(plan.group_attrs):
         group = f.require_group(gpath)
         for key, value in sorted(plan.group_attrs[gpath].items()):
             group.attrs[key] = value
         groups[gpath] = dict(plan.group_attrs[gpath])
-    dsets, described = [], {}
-    for d, crc in zip(plan.datasets, checksums):
-        # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
-        dset = f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never")
+    described = {}
+    for d, dset, crc in zip(plan.datasets, dsets, checksums):
         attrs = dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)})
         for key, value in sorted(attrs.items()):
             dset.attrs[key] = value
         described[d.path] = (d.shape, np.dtype(d.dtype).str, attrs)
-        dsets.append(dset)
     # Every dataset's path, so that a reader can name one that went missing.
     root = dict(plan.root_attrs, ndatasets=len(plan.datasets), datasets=fmt.to_json([d.path for d in plan.datasets]))
     for key, value in sorted(root.items()):
         f.attrs[key] = value
     f.attrs[fmt.METADATA_CRC_ATTR] = np.uint32(fmt.metadata_crc(root, groups, described))
-    return dsets
 
 
 # Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
@@ -324,19 +396,27 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     per rank; a dataset that one rank holds whole is written by that rank alone
     (independent I/O), so small tensors cost no collective call and no rank waits on
     another's small write. ``collective=False``: every piece is written independently
-    (a background save: its ranks do not wait for each other between calls)."""
+    (a background save: its ranks do not wait for each other between calls).
+
+    Each piece is checksummed (and checked for NaN) right before it is written, so the
+    disk is busy from the first dataset on; the checksums, the same on every rank once
+    gathered, are written as attributes after the data. A NaN found on any rank refuses
+    the save on all, and the file is left for the caller to remove."""
     import h5py
 
     rank = comm.Get_rank()
     datasets = plan.datasets
-    # Checksums first: parallel HDF5 wants attribute values identical on every rank. The
-    # same pass refuses NaN parameters, before the file exists.
     mark_finite(plan)
-    gathered = comm.allgather(own_checksums(datasets, rank, finite=not plan.finite_checked))
-    refuse_nonfinite(datasets, [bad for _, bad in gathered], path)
-    checksums = combine_checksums([sums for sums, _ in gathered], len(datasets))
+    finite = not plan.finite_checked
+    sums, bad = [], []
 
-    errors, f, failed = [], None, False
+    def checked(i, d):
+        runs, ok = piece_checksums(i, d, rank, finite=finite)
+        sums.extend(runs)
+        if not ok:
+            bad.append(i)
+
+    errors, f, failed, refusal = [], None, False, None
     try:
         f = h5py.File(path, "w", driver="mpio", comm=comm, libver=LIBVER)
     except Exception as exc:
@@ -344,12 +424,12 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     agree(errors, comm, path, "creating")
     try:
         try:
-            dsets = create_layout(f, plan, checksums)
+            dsets = create_datasets(f, plan)
         except Exception as exc:
             errors.append(f"creating datasets: {_describe(exc)}")
         agree(errors, comm, path, "creating datasets in")
         alone = []
-        for d, dset in zip(datasets, dsets):
+        for i, (d, dset) in enumerate(zip(datasets, dsets)):
             region = d.region_of(rank)
             try:
                 _check_fault(d.path, rank)  # the hook fails the named rank, owner or not
@@ -358,8 +438,10 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
                 region = None  # still enter the collectives, with nothing
             if len(d.pieces) == 1 or not collective:
                 if region is not None:
-                    alone.append((d, dset, region))
+                    alone.append((i, d, dset, region))
                 continue
+            if region is not None:
+                checked(i, d)
             chunks = _chunks(d, region, call_bytes) if region is not None else []
             for call in range(_calls(d, call_bytes)):
                 try:
@@ -371,12 +453,26 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
                             write_empty(dset)
                 except Exception as exc:  # from HDF5 itself, e.g. the disk filled up
                     errors.append(f"writing /{d.path}: {_describe(exc)}")
-        for d, dset, region in alone:
+        for i, d, dset, region in alone:
             try:
+                checked(i, d)
                 _write_alone(dset, d, region, call_bytes)
             except Exception as exc:
                 errors.append(f"writing /{d.path}: {_describe(exc)}")
-        failed = any_rank(errors, comm)
+        gathered = comm.allgather((errors, sums, bad))
+        failed = any(e for e, _, _ in gathered)
+        if not failed:
+            try:
+                refuse_nonfinite(datasets, [b for _, _, b in gathered], path)
+                checksums = combine_checksums([s for _, s, _ in gathered], len(datasets))
+                describe(f, plan, dsets, checksums)  # the same values on every rank
+            except fmt.NonFiniteState as exc:
+                refusal, failed = exc, True
+            except Exception as exc:
+                errors.append(f"writing attributes: {_describe(exc)}")
+                failed = any_rank(True, comm)
+            else:
+                failed = any_rank(False, comm)
         if failed and rank == 0:
             # The file is garbage now. Truncating it gives back the space a full disk
             # needs for the metadata that closing writes; a close that fails leaves
@@ -397,6 +493,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
             except Exception as exc:
                 errors.append(f"closing: {_describe(exc)}")
                 _UNCLOSABLE.append(f)  # never let HDF5 free it again (see above)
+    if refusal is not None:
+        raise refusal
     if errors:
         errors.append(_space_note(path, plan.nbytes))
     agree(errors, comm, path, "writing")
@@ -417,22 +515,30 @@ def _space_note(path, needed):
 
 def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
     """This process alone writes ``plan`` (made for one writer, rank 0) with the default
-    (POSIX) driver; returns the checksums."""
+    (POSIX) driver; returns the checksums, taken as in :func:`write_parallel` while each
+    dataset is written. The file is left for the caller to remove on any error."""
     import h5py
 
     mark_finite(plan)
-    sums, bad = own_checksums(plan.datasets, 0, finite=not plan.finite_checked)
-    refuse_nonfinite(plan.datasets, [bad], path)
-    checksums = combine_checksums([sums], len(plan.datasets))
+    sums, bad = [], []
     try:
         with h5py.File(path, "w", libver=LIBVER) as f:
-            for d, dset in zip(plan.datasets, create_layout(f, plan, checksums)):
+            dsets = create_datasets(f, plan)
+            for i, (d, dset) in enumerate(zip(plan.datasets, dsets)):
+                runs, ok = piece_checksums(i, d, 0, finite=not plan.finite_checked)
+                sums.extend(runs)
+                if not ok:
+                    bad.append(i)
+                    continue  # refused below: no need to write it
                 try:
                     _check_fault(d.path, 0)
                     _write_alone(dset, d, d.region_of(0), call_bytes)
                 except Exception as exc:
                     raise CheckpointError(f"writing {path} failed: /{d.path}: {_describe(exc)}",
                                           hint=_hint([str(exc)])) from exc
+            refuse_nonfinite(plan.datasets, [bad], path)
+            checksums = combine_checksums([sums], len(plan.datasets))
+            describe(f, plan, dsets, checksums)
     except CheckpointError:
         raise
     except Exception as exc:

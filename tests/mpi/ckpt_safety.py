@@ -77,8 +77,8 @@ def with_causal_mask(state):
 
 
 def nan_refused():
-    """NaN in one parameter: the save is refused on every rank naming the tensor, before
-    any file exists; the newest good checkpoint and `latest` are untouched. The same for a
+    """NaN in one parameter: the save is refused on every rank naming the tensor, and no
+    file is left behind; the newest good checkpoint and `latest` are untouched. The same for a
     background save, raised by save() itself. A -inf buffer saves."""
     d = fresh_dir("nan")
     state = with_causal_mask(cc.make_state(seed=3))
