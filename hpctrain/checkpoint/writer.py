@@ -441,7 +441,11 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
                     alone.append((i, d, dset, region))
                 continue
             if region is not None:
-                checked(i, d)
+                try:
+                    checked(i, d)
+                except Exception as exc:  # this rank still enters the collectives, with nothing
+                    errors.append(f"checksumming /{d.path}: {_describe(exc)}")
+                    region = None
             chunks = _chunks(d, region, call_bytes) if region is not None else []
             for call in range(_calls(d, call_bytes)):
                 try:
