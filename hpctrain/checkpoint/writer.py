@@ -267,34 +267,42 @@ def _hint(problems):
     return "the previous checkpoint and `latest` are untouched; see the messages above for the failing rank"
 
 
-def create_datasets(f, plan):
-    """Every dataset of ``plan``, without attributes: those follow the data
-    (:func:`describe`), whose checksums are taken while it is written."""
-    # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
-    return [f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never") for d in plan.datasets]
+def _root_attrs(plan):
+    # Every dataset's path, so that a reader can name one that went missing.
+    return dict(plan.root_attrs, ndatasets=len(plan.datasets), datasets=fmt.to_json([d.path for d in plan.datasets]))
 
 
-def describe(f, plan, dsets, checksums):
-    """Every attribute of the groups, of ``dsets`` (with their CRC-32) and of ``/``, and last
-    the metadata checksum over all of them (:func:`format.metadata_crc`), computed from the
-    values written."""
-    groups = {}
+def create_layout(f, plan):
+    """Every group, dataset and attribute of ``plan``. The checksums (each dataset's CRC-32
+    and the metadata checksum) are 0 here: they are taken while the data is written, and
+    :func:`seal` writes them over in place, so the file is laid out as if they were known."""
     for gpath in sorted(plan.group_attrs):
         group = f.require_group(gpath)
         for key, value in sorted(plan.group_attrs[gpath].items()):
             group.attrs[key] = value
-        groups[gpath] = dict(plan.group_attrs[gpath])
+    dsets = []
+    for d in plan.datasets:
+        # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
+        dset = f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never")
+        for key, value in sorted(dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(0)}).items()):
+            dset.attrs[key] = value
+        dsets.append(dset)
+    for key, value in sorted(_root_attrs(plan).items()):
+        f.attrs[key] = value
+    f.attrs[fmt.METADATA_CRC_ATTR] = np.uint32(0)
+    return dsets
+
+
+def seal(f, plan, dsets, checksums):
+    """Write the CRC-32 of every dataset, and last the metadata checksum over every attribute
+    (:func:`format.metadata_crc`, computed from the values written), into their places. The
+    same values on every rank."""
     described = {}
     for d, dset, crc in zip(plan.datasets, dsets, checksums):
-        attrs = dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)})
-        for key, value in sorted(attrs.items()):
-            dset.attrs[key] = value
-        described[d.path] = (d.shape, np.dtype(d.dtype).str, attrs)
-    # Every dataset's path, so that a reader can name one that went missing.
-    root = dict(plan.root_attrs, ndatasets=len(plan.datasets), datasets=fmt.to_json([d.path for d in plan.datasets]))
-    for key, value in sorted(root.items()):
-        f.attrs[key] = value
-    f.attrs[fmt.METADATA_CRC_ATTR] = np.uint32(fmt.metadata_crc(root, groups, described))
+        dset.attrs.modify(fmt.CRC_ATTR, np.uint32(crc))
+        described[d.path] = (d.shape, np.dtype(d.dtype).str, dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)}))
+    groups = {gpath: dict(attrs) for gpath, attrs in plan.group_attrs.items()}
+    f.attrs.modify(fmt.METADATA_CRC_ATTR, np.uint32(fmt.metadata_crc(_root_attrs(plan), groups, described)))
 
 
 # Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
@@ -400,7 +408,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
 
     Each piece is checksummed (and checked for NaN) right before it is written, so the
     disk is busy from the first dataset on; the checksums, the same on every rank once
-    gathered, are written as attributes after the data. A NaN found on any rank refuses
+    gathered, are written into their attributes after the data (:func:`seal`). A NaN found on any rank refuses
     the save on all, and the file is left for the caller to remove."""
     import h5py
 
@@ -424,7 +432,7 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     agree(errors, comm, path, "creating")
     try:
         try:
-            dsets = create_datasets(f, plan)
+            dsets = create_layout(f, plan)
         except Exception as exc:
             errors.append(f"creating datasets: {_describe(exc)}")
         agree(errors, comm, path, "creating datasets in")
@@ -469,11 +477,11 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
             try:
                 refuse_nonfinite(datasets, [b for _, _, b in gathered], path)
                 checksums = combine_checksums([s for _, s, _ in gathered], len(datasets))
-                describe(f, plan, dsets, checksums)  # the same values on every rank
+                seal(f, plan, dsets, checksums)  # the same values on every rank
             except fmt.NonFiniteState as exc:
                 refusal, failed = exc, True
             except Exception as exc:
-                errors.append(f"writing attributes: {_describe(exc)}")
+                errors.append(f"writing the checksums: {_describe(exc)}")
                 failed = any_rank(True, comm)
             else:
                 failed = any_rank(False, comm)
@@ -527,7 +535,7 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
     sums, bad = [], []
     try:
         with h5py.File(path, "w", libver=LIBVER) as f:
-            dsets = create_datasets(f, plan)
+            dsets = create_layout(f, plan)
             for i, (d, dset) in enumerate(zip(plan.datasets, dsets)):
                 runs, ok = piece_checksums(i, d, 0, finite=not plan.finite_checked)
                 sums.extend(runs)
@@ -542,7 +550,7 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
                                           hint=_hint([str(exc)])) from exc
             refuse_nonfinite(plan.datasets, [bad], path)
             checksums = combine_checksums([sums], len(plan.datasets))
-            describe(f, plan, dsets, checksums)
+            seal(f, plan, dsets, checksums)
     except CheckpointError:
         raise
     except Exception as exc:
