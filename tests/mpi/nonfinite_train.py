@@ -85,6 +85,8 @@ def main(argv):
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"result": dataclasses.asdict(result) if result else None, "run_dir": trainer.run.run_dir,
                        "extra": trainer.state.progress.extra}, f)
+    # A rank that exits non-zero makes mpirun end the others: every rank first says its part.
+    trainer.world.comm.Barrier()
     return code
 
 
