@@ -223,7 +223,7 @@ def _plan(state, info, comm, parallel, copy=False, buffers=None):
     if sharded.is_sharded(state):  # comm.shard: each rank writes its optimizer slice's rows
         sharded.check_parallel(parallel)
         return sharded.plan(state, info, comm, copy=copy)
-    snap = snapshot.take_snapshot(state, info, copy=False)
+    snap = snapshot.take_snapshot(state, info)
     plan = writer.plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
     if copy:
         writer.copy_own_pieces(plan, {} if buffers is None else buffers, workers=min(4, usable_cpus()))

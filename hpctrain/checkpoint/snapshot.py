@@ -245,19 +245,18 @@ def set_rng_states(rng):
 
 # ---------------------------------------------------------------- taking a snapshot
 
-def take_snapshot(state, root_info, copy):
+def take_snapshot(state, root_info):
     """Arrays and attributes of a checkpoint of ``state``.
 
     ``root_info``: ``{"meta": root attributes, "rng": rank 0's RNG states}`` from rank 0.
-    ``copy``: copy tensors to private host memory; without it the arrays of CPU tensors are
-    views of them (a background save copies only the rows its rank writes, once it has its
-    plan: :func:`.writer.copy_own_pieces`).
+    The arrays of CPU tensors are views of them (a background save copies only the rows its
+    rank writes, once it has its plan: :func:`.writer.copy_own_pieces`).
     """
 
     def entry(path, tensor, finite):
-        array, dtype = tensor_to_array(tensor, copy)
+        array, dtype = tensor_to_array(tensor, copy=False)
         return Entry(path, array, {fmt.DTYPE_ATTR: dtype}, finite=finite,
-                     private=copy or tensor.device.type != "cpu")  # .cpu() made a private copy
+                     private=tensor.device.type != "cpu")  # .cpu() made a private copy
 
     description, opt_tensors = optimizer_parts(state.model, state.optimizer)
     params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}

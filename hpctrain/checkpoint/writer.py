@@ -201,7 +201,7 @@ def copy_own_pieces(plan, buffers, workers=1):
     mark_finite(plan)
     old = dict(buffers)
     buffers.clear()
-    tasks, checks = [], []
+    tasks = []
     for i, d in enumerate(plan.datasets):
         if d.mine is None or d.private:
             continue
@@ -216,7 +216,7 @@ def copy_own_pieces(plan, buffers, workers=1):
         scan = max(1, SCAN_BYTES // src.dtype.itemsize)
         step = scan * COPY_TASK_SCANS
         tasks += [(i, flat_src, flat_buf, lo, min(lo + step, flat_src.size), scan, name if check else None)
-                  for lo in range(0, flat_src.size, step)] or [(i, flat_src, flat_buf, 0, 0, scan, None)]
+                  for lo in range(0, flat_src.size, step)]
 
     def run(task):
         i, src, buf, lo, hi, scan, name = task
