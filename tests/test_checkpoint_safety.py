@@ -1,6 +1,7 @@
 """Checkpoint safety under a real mpirun (hpctrain issue 12): roll back and branches,
 non-finite state refused, a failed `latest` write, a one-rank HDF5 error, async overlap."""
 import os
+import re
 import time
 
 import pytest
@@ -58,7 +59,10 @@ def test_one_rank_hdf5_error_raises_everywhere_or_aborts(tmp_path):
         ranks_say(result, "one_rank_cannot_extend OK", 2)
     else:
         assert "did not finish in 10 s" in result.stderr and "aborting the job" in result.stderr, result.stderr[-3000:]
-        assert "MPI_ABORT was invoked" in result.stderr
+        assert re.search(r"hpctrain: error: rank \d on \S+: closing .*ckpt-00000002\.h5\.tmp-", result.stderr), result.stderr[-3000:]
+        # Open MPI's own "MPI_ABORT was invoked" banner is not asserted: under a flood of
+        # MPI-IO error lines its show_help relay can fail ("Data unpack would read past end
+        # of buffer") and drop the banner although the abort happened.
     d = tmp_path / "one_rank"
     assert (d / "latest").read_text() == "ckpt-00000001.h5\n"
     assert sorted(n for n in os.listdir(d) if n.endswith(".h5")) == ["ckpt-00000001.h5"]
@@ -70,7 +74,6 @@ def test_one_rank_hdf5_error_raises_everywhere_or_aborts(tmp_path):
 def test_metadata_checksum_as_documented(tmp_path):
     """The recipe in docs/checkpoint-format.md, run with plain h5py on a file written by 2
     ranks, gives the stored metadata_crc32."""
-    import re
     import subprocess
     import sys
 
