@@ -267,6 +267,11 @@ def _hint(problems):
     return "the previous checkpoint and `latest` are untouched; see the messages above for the failing rank"
 
 
+def _dataset_attrs(d, crc):
+    # Created with crc 0 and sealed with the real one: the metadata checksum covers this set.
+    return dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)})
+
+
 def _root_attrs(plan):
     # Every dataset's path, so that a reader can name one that went missing.
     return dict(plan.root_attrs, ndatasets=len(plan.datasets), datasets=fmt.to_json([d.path for d in plan.datasets]))
@@ -284,7 +289,7 @@ def create_layout(f, plan):
     for d in plan.datasets:
         # fill_time="never": without it parallel HDF5 writes zeros over the whole dataset first.
         dset = f.create_dataset(d.path, shape=d.shape, dtype=d.dtype, fill_time="never")
-        for key, value in sorted(dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(0)}).items()):
+        for key, value in sorted(_dataset_attrs(d, 0).items()):
             dset.attrs[key] = value
         dsets.append(dset)
     for key, value in sorted(_root_attrs(plan).items()):
@@ -300,7 +305,7 @@ def seal(f, plan, dsets, checksums):
     described = {}
     for d, dset, crc in zip(plan.datasets, dsets, checksums):
         dset.attrs.modify(fmt.CRC_ATTR, np.uint32(crc))
-        described[d.path] = (d.shape, np.dtype(d.dtype).str, dict(d.attrs, **{fmt.CRC_ATTR: np.uint32(crc)}))
+        described[d.path] = (d.shape, np.dtype(d.dtype).str, _dataset_attrs(d, crc))
     groups = {gpath: dict(attrs) for gpath, attrs in plan.group_attrs.items()}
     f.attrs.modify(fmt.METADATA_CRC_ATTR, np.uint32(fmt.metadata_crc(_root_attrs(plan), groups, described)))
 
@@ -408,8 +413,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
 
     Each piece is checksummed (and checked for NaN) right before it is written, so the
     disk is busy from the first dataset on; the checksums, the same on every rank once
-    gathered, are written into their attributes after the data (:func:`seal`). A NaN found on any rank refuses
-    the save on all, and the file is left for the caller to remove."""
+    gathered, are written into their attributes after the data (:func:`seal`). A NaN found
+    on any rank refuses the save on all, and the file is left for the caller to remove."""
     import h5py
 
     rank = comm.Get_rank()
