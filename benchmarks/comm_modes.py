@@ -151,7 +151,7 @@ def main():
     trainer.model.register_forward_pre_hook(slow_hook(args, world, record))
     result = trainer.fit()
     wall = record.ends[-1] - record.t0  # the first step's start to the last step's end
-    mode = trainer.state.comm
+    mode = trainer.state.comm_mode
     params, _ = count_parameters(trainer.state.model)
     steps = result.steps
     if args.mode == "sync":

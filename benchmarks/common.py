@@ -24,7 +24,7 @@ def init(threads=1):
     importing mpi4py's ``MPI``: MPI starts here, with hpctrain's settings, as in training."""
     import torch
 
-    from hpctrain.world import init_world
+    from hpctrain.runtime.world import init_world
 
     world = init_world(pin=False)
     torch.set_num_threads(threads)

@@ -114,7 +114,7 @@ def main():
 
     import torch
 
-    from hpctrain.world import init_world
+    from hpctrain.runtime.world import init_world
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py: no CUDA device here. HINT: run it where nvidia-smi sees a GPU")

@@ -38,7 +38,7 @@ def mpi_env():
         "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     })
     env.setdefault("OMP_NUM_THREADS", "1")
-    # MPI waits yielding the core: hpctrain sets that in every rank (hpctrain.world.mpi_defaults),
+    # MPI waits yielding the core: hpctrain sets that in every rank (hpctrain.runtime.world.mpi_defaults),
     # so the launches measure what a user's mpirun gets, not a setting of the bench's own.
     env.pop("OMPI_MCA_mpi_yield_when_idle", None)
     env.setdefault("OMPI_MCA_btl", "self,vader,tcp")

@@ -7,7 +7,7 @@ largest model that trains under a per-rank memory limit.
     mpirun -n 2 python benchmarks/zero_memory.py --mode gradients --widths 512 1024 2048 --limit-mib 600 --out w.json
 
 ``--mode``: ``none`` (the backend's distributed optimizer), ``optimizer`` / ``gradients``
-(:class:`hpctrain.sharding.ShardedOptimizer`), ``torch_zero`` (DDP over gloo with
+(:class:`hpctrain.training.sharding.ShardedOptimizer`), ``torch_zero`` (DDP over gloo with
 ``torch.distributed.optim.ZeroRedundancyOptimizer``). AdamW throughout. For every width
 (``--widths``, the MLP's hidden size; default examples/large_mlp.toml's 1440) one row:
 
@@ -17,7 +17,7 @@ largest model that trains under a per-rank memory limit.
 - ``peak_rss_extra_bytes``: the highest resident set size above the level when the process
   had initialised (MPI, torch, the backend; before any model), sampled during build and
   steps (the largest over ranks). Widths run in ascending order: memory freed by a smaller
-  width and kept by the allocator (hpctrain.allocator) is reused by the next one, so a
+  width and kept by the allocator (hpctrain.runtime.allocator) is reused by the next one, so a
   width's peak above that fixed level is its own;
 - ``step_s``: median step time, the slowest rank's;
 - ``fits``: ``peak_rss_extra_bytes`` <= ``--limit-mib`` (when given).
@@ -88,7 +88,7 @@ def make_step(mode, model, world, backend_name, batch, args):
         def held():
             return getattr(held, "last", None) or held_now()
     else:
-        from hpctrain.sharding import ShardedOptimizer
+        from hpctrain.training.sharding import ShardedOptimizer
 
         opt = ShardedOptimizer(inner, model, backend, mode, reduction=args.reduce)
 

@@ -141,7 +141,7 @@ def corpus(path="runs/data/stdlib-bytes.h5", block=64, max_bytes=4_000_000, val_
     """``[data] factory = "byte_gpt:corpus"``: (train, val) byte blocks, cached in ``path``."""
     import h5py
 
-    from hpctrain.fsutil import replaced
+    from hpctrain.runtime.fsutil import replaced
 
     wanted = {"max_bytes": max_bytes, "val_fraction": val_fraction}
     if os.path.exists(path):

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.parallel import HybridParallel, Layout, MLPBlock, SelfAttention
 from hpctrain.state import Progress
 

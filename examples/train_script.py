@@ -26,8 +26,8 @@ from torch import nn  # noqa: E402
 
 from hpctrain import ArrayDataset, Trainer  # noqa: E402
 from hpctrain.config import load_config  # noqa: E402
-from hpctrain.coordination import abort_on_exception, all_or_none  # noqa: E402
-from hpctrain.world import init_world  # noqa: E402
+from hpctrain.runtime.coordination import abort_on_exception, all_or_none  # noqa: E402
+from hpctrain.runtime.world import init_world  # noqa: E402
 
 # This script's defaults; the command line's section.key=value overrides win.
 DEFAULTS = ["run.name=spirals", "train.epochs=6", "train.batch_size=32", "train.optimizer=adam",

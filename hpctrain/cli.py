@@ -15,11 +15,11 @@ from . import __version__
 
 # subcommand -> (module, help). Each module has ``main(argv) -> int``.
 SUBCOMMANDS = {
-    "doctor": ("hpctrain.doctor", "check that this machine can run a parallel job, and say how to fix it"),
-    "train": ("hpctrain.training.command", "train a model data-parallel (launch under mpirun or srun)"),
-    "launch": ("hpctrain.job.supervisor", "start the ranks of a training job and restart it when it fails"),
-    "ckpt": ("hpctrain.checkpoint.cli", "list, inspect, verify and export checkpoints"),
-    "report": ("hpctrain.monitoring.report", "write plots and a summary of a finished run"),
+    "doctor": ("hpctrain.commands.doctor", "check that this machine can run a parallel job, and say how to fix it"),
+    "train": ("hpctrain.commands.train", "train a model data-parallel (launch under mpirun or srun)"),
+    "launch": ("hpctrain.commands.launch", "start the ranks of a training job and restart it when it fails"),
+    "ckpt": ("hpctrain.commands.ckpt", "list, inspect, verify and export checkpoints"),
+    "report": ("hpctrain.commands.report", "write plots and a summary of a finished run"),
 }
 
 

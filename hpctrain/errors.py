@@ -3,11 +3,15 @@
 Every message says what was found, what was expected, and (after ``HINT:``) the fix.
 """
 
+# Exit statuses of `hpctrain train` (README, "Exit status"); ``hpctrain launch`` restarts on
+# some of them and not on others (:mod:`hpctrain.job.diagnosis`).
+EXIT_OK, EXIT_OTHER, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_HUNG, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
+
 
 class HpctrainError(Exception):
     """Base class: a problem the user can fix, reported without a deep traceback."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, message, hint=None):
         self.hint = hint

@@ -41,6 +41,11 @@ import os
 PREFIX = "HPCTRAIN_"
 
 
+def name(key):
+    """The variable's whole name: ``HPCTRAIN_<key>``."""
+    return PREFIX + key
+
+
 def get(name, default=None, environ=None):
     """Value of ``HPCTRAIN_<name>``, or ``default``."""
     env = os.environ if environ is None else environ

@@ -29,6 +29,6 @@ class TrainState:
     optimizer: Any
     progress: Progress = field(default_factory=Progress)
     scaler: Any = None  # torch.cuda.amp.GradScaler when fp16 autocast on GPU
-    # The communication mode (hpctrain.training.comm_modes): its tensors (local_sgd's outer
-    # momentum, stale's pending average) are saved and restored with the rest.
-    comm: Any = None
+    # The communication mode (``comm.mode``, hpctrain.training.comm_modes): its tensors
+    # (local_sgd's outer momentum, stale's pending average) are saved and restored with the rest.
+    comm_mode: Any = None

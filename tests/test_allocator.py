@@ -1,9 +1,9 @@
-"""hpctrain.allocator: glibc's thresholds set once per process when asked for
+"""hpctrain.runtime.allocator: glibc's thresholds set once per process when asked for
 (``HPCTRAIN_MALLOC=reuse``), unless the user tuned the allocator otherwise."""
 import subprocess
 import sys
 
-from hpctrain import allocator
+from hpctrain.runtime import allocator
 
 REUSE = {"HPCTRAIN_MALLOC": "reuse"}
 
@@ -21,7 +21,7 @@ def _said(env_extra):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "HPCTRAIN_MALLOC"))}
     env.update(env_extra)
-    code = "from hpctrain import allocator; print(allocator.tune()); print(allocator.tune())"
+    code = "from hpctrain.runtime import allocator; print(allocator.tune()); print(allocator.tune())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
                           check=True).stdout.splitlines()
 
@@ -34,7 +34,7 @@ def test_tuned_once_and_said():
 
 def test_a_phase_reuses_blocks_and_gives_them_back():
     code = ("import numpy as np\n"
-            "from hpctrain import allocator\n"
+            "from hpctrain.runtime import allocator\n"
             "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096\n"
             "with allocator.reusing_large_blocks():\n"
             "    for _ in range(3):\n"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hpctrain.checkpoint import format as fmt
+from hpctrain.checkpoint import policy
 from hpctrain.checkpoint.interval import BUDGET_AIM, PROBE_STEPS, AutoInterval, young_daly_seconds
 from hpctrain.config import load_config, validate
 from hpctrain.errors import ConfigError
@@ -125,11 +125,11 @@ def test_needs_a_rule():
 
 
 def test_save_reason_auto_after_the_explicit_ones():
-    assert fmt.save_reason(10, 5, 1.0, auto_due=True) == "auto"
-    assert fmt.save_reason(10, 5, 1.0, auto_due=False) is None
-    assert fmt.save_reason(10, 10, 1.0, auto_due=True) is None  # never twice for one step
-    assert fmt.save_reason(10, 5, 1.0, final=True, auto_due=True) == "final"
-    assert fmt.save_reason(10, 5, 120.0, every_minutes=1, auto_due=True) == "time"
+    assert policy.save_reason(10, 5, 1.0, auto_due=True) == "auto"
+    assert policy.save_reason(10, 5, 1.0, auto_due=False) is None
+    assert policy.save_reason(10, 10, 1.0, auto_due=True) is None  # never twice for one step
+    assert policy.save_reason(10, 5, 1.0, final=True, auto_due=True) == "final"
+    assert policy.save_reason(10, 5, 120.0, every_minutes=1, auto_due=True) == "time"
 
 
 def checked(*overrides):

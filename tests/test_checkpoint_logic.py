@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint import format as fmt
-from hpctrain.fsutil import temp_name
+from hpctrain.checkpoint import plan as ckplan
+from hpctrain.checkpoint import policy
+from hpctrain.runtime.fsutil import temp_name
 
 
 def test_names_sort_like_steps_and_round_trip():
@@ -98,21 +100,21 @@ def test_plan_more_ranks_than_tensors_leaves_ranks_empty():
 
 def test_select_keep_last_best_milestones():
     ckpts = [(s, m) for s, m in [(100, 0.9), (200, 0.5), (300, 0.7), (400, 0.8), (500, 0.6), (600, 0.95)]]
-    assert fmt.select_keep(ckpts, keep_last=2) == {500, 600}
-    assert fmt.select_keep(ckpts, keep_last=0) == {100, 200, 300, 400, 500, 600}
-    assert fmt.select_keep(ckpts, keep_last=1, keep_best=2) == {600, 200, 500}
-    assert fmt.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max") == {600}
-    assert fmt.select_keep(ckpts, keep_last=1, keep_best=2, best_mode="max") == {600, 100}
-    assert fmt.select_keep(ckpts, keep_last=1, milestone_every=200) == {200, 400, 600}
-    assert fmt.select_keep([], keep_last=3) == set()
+    assert policy.select_keep(ckpts, keep_last=2) == {500, 600}
+    assert policy.select_keep(ckpts, keep_last=0) == {100, 200, 300, 400, 500, 600}
+    assert policy.select_keep(ckpts, keep_last=1, keep_best=2) == {600, 200, 500}
+    assert policy.select_keep(ckpts, keep_last=1, keep_best=1, best_mode="max") == {600}
+    assert policy.select_keep(ckpts, keep_last=1, keep_best=2, best_mode="max") == {600, 100}
+    assert policy.select_keep(ckpts, keep_last=1, milestone_every=200) == {200, 400, 600}
+    assert policy.select_keep([], keep_last=3) == set()
     # missing and NaN metrics never count as best; ties go to the newer
-    assert fmt.select_keep([(1, None), (2, math.nan), (3, 0.5), (4, 0.5), (5, 9.0)], 1, 1) == {5, 4}
+    assert policy.select_keep([(1, None), (2, math.nan), (3, 0.5), (4, 0.5), (5, 9.0)], 1, 1) == {5, 4}
     with pytest.raises(ValueError):
-        fmt.select_keep(ckpts, best_mode="lowest")
+        policy.select_keep(ckpts, best_mode="lowest")
 
 
 def test_save_reason():
-    r = lambda step, **kw: fmt.save_reason(step, kw.pop("last", None), kw.pop("secs", 0.0), **kw)  # noqa: E731
+    r = lambda step, **kw: policy.save_reason(step, kw.pop("last", None), kw.pop("secs", 0.0), **kw)  # noqa: E731
     assert r(10, every_steps=5) == "steps"
     assert r(11, every_steps=5) is None
     assert r(10, every_steps=5, last=10) is None  # never twice for one step
@@ -161,16 +163,16 @@ def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
     big = np.arange(600 * 600, dtype=np.float32).reshape(600, 600)  # >= 1 MiB: split by rows
     small = np.arange(12, dtype=np.int64).reshape(3, 4)
     snap = Snapshot([Entry("model/big", big), Entry("model/small", small), Entry("s", np.array(2.5))], {}, {})
-    plans = [writer.plan_snapshot(snap, 3, rank) for rank in range(3)]
+    plans = [ckplan.plan_snapshot(snap, 3, rank) for rank in range(3)]
     assert [r for r, _ in plans[0].datasets[0].pieces] == [0, 1, 2]
-    gathered = [writer.own_checksums(p.datasets, rank)[0] for rank, p in enumerate(plans)]
-    assert writer.combine_checksums(gathered, 3) == [fmt.crc32_bytes(a) for a in (big, small, np.array(2.5))]
+    gathered = [ckplan.own_checksums(p.datasets, rank)[0] for rank, p in enumerate(plans)]
+    assert fmt.combine_checksums(gathered, 3) == [fmt.crc32_bytes(a) for a in (big, small, np.array(2.5))]
     # columns split over two tensor ranks, rows of each half over two replicas
     regions = [((0, 300), (0, 300)), ((0, 300), (300, 600)), ((300, 600), (0, 300)), ((300, 600), (300, 600))]
     pieces = list(enumerate(regions))
-    parts = [writer.DatasetPlan("w", big.shape, big.dtype, {}, pieces, big[fmt.slices(r)]) for r in regions]
-    gathered = [writer.own_checksums([d], rank)[0] for rank, d in enumerate(parts)]
-    assert writer.combine_checksums(gathered, 1) == [fmt.crc32_bytes(big)]
+    parts = [ckplan.DatasetPlan("w", big.shape, big.dtype, {}, pieces, big[fmt.slices(r)]) for r in regions]
+    gathered = [ckplan.own_checksums([d], rank)[0] for rank, d in enumerate(parts)]
+    assert fmt.combine_checksums(gathered, 1) == [fmt.crc32_bytes(big)]
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -184,20 +186,20 @@ def test_a_background_save_copies_only_its_own_rows_checked_into_kept_buffers(wo
     own = np.arange(5, dtype=np.float32)  # already the save's own memory (a GPU tensor's host copy)
     snap = Snapshot([Entry("optimizer/state/w/exp_avg", big, {fmt.DTYPE_ATTR: "float32"}, finite=True), Entry("model/own", own, private=True),
                      Entry("model/empty", np.zeros((0, 3), np.float32))], {}, {})
-    plan = writer.plan_snapshot(snap, 2, 1)
+    plan = ckplan.plan_snapshot(snap, 2, 1)
     rows = plan.datasets[0].region_of(1)[0]
     buffers = {}
-    assert writer.copy_own_pieces(plan, buffers, workers) == [] and not plan.datasets[0].private
+    assert ckplan.copy_own_pieces(plan, buffers, workers) == [] and not plan.datasets[0].private
     piece = plan.datasets[0].mine
     assert piece.shape == (rows[1] - rows[0], 600) and not np.shares_memory(piece, big)
     assert np.array_equal(piece, big[rows[0]:rows[1]]) and buffers["optimizer/state/w/exp_avg"] is piece
     big[rows[0], 7] = np.nan  # training goes on: the copy stays as it was
     assert np.isfinite(piece).all()
-    again = writer.plan_snapshot(snap, 2, 1)
-    assert writer.copy_own_pieces(again, buffers, workers) == [0] and again.own_nonfinite == [0]
+    again = ckplan.plan_snapshot(snap, 2, 1)
+    assert ckplan.copy_own_pieces(again, buffers, workers) == [0] and again.own_nonfinite == [0]
     assert again.datasets[0].mine is piece and np.isnan(piece[0, 7])  # the same buffer, reused
-    first, theirs = writer.plan_snapshot(snap, 2, 0), {}
-    assert writer.copy_own_pieces(first, theirs, workers) == []  # rank 0's rows are finite
+    first, theirs = ckplan.plan_snapshot(snap, 2, 0), {}
+    assert ckplan.copy_own_pieces(first, theirs, workers) == []  # rank 0's rows are finite
     assert "model/own" not in theirs and np.shares_memory(first.datasets[1].mine, own)  # rank 0 writes it, uncopied
 
 
@@ -216,11 +218,11 @@ def test_a_nan_refused_by_the_serial_writer_leaves_a_file_without_a_checkpoint(t
                      Entry("model/b", bad, {fmt.DTYPE_ATTR: "float32"}, finite=True)], {}, {})
     path = str(tmp_path / "ckpt-00000001.h5.tmp")
     with pytest.raises(fmt.NonFiniteState, match="/model/b"):
-        writer.write_serial(path, writer.plan_snapshot(snap, 1, 0))
+        writer.write_serial(path, ckplan.plan_snapshot(snap, 1, 0))
     with h5py.File(path, "r") as f:  # never sealed: its checksums are the placeholders
         assert int(f.attrs[fmt.METADATA_CRC_ATTR]) == 0 and int(f["model/a"].attrs[fmt.CRC_ATTR]) == 0
     bad[1] = 0.0
-    sums = writer.write_serial(path, writer.plan_snapshot(snap, 1, 0))
+    sums = writer.write_serial(path, ckplan.plan_snapshot(snap, 1, 0))
     assert sums == [fmt.crc32_bytes(good), fmt.crc32_bytes(bad)]
     with h5py.File(path, "r") as f:
         assert [int(f[p].attrs[fmt.CRC_ATTR]) for p in ("model/a", "model/b")] == sums
@@ -316,7 +318,7 @@ def test_early_writeback_asks_the_kernel_for_the_file_while_it_is_written(tmp_pa
     import os
     import time
 
-    from hpctrain import fsutil
+    from hpctrain.runtime import fsutil
 
     real = fsutil._sync_file_range()
     if real is None:

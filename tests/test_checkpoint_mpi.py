@@ -58,7 +58,7 @@ def test_file_is_plain_hdf5(saved):
 
 
 def test_cli_list_inspect_verify_export(saved, tmp_path):
-    from hpctrain.checkpoint.cli import main
+    from hpctrain.commands.ckpt import main
 
     path = str(saved / "checkpoints" / "ckpt-00000002.h5")
     assert main(["list", str(saved)]) == 0

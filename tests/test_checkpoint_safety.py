@@ -37,7 +37,7 @@ def test_scenarios(tmp_path, capsys):
            "(mpio)" in said
     assert "moved to" in result.stderr and "abandoned" in result.stderr
     # `hpctrain ckpt list` shows the abandoned branches, and a NaN file as such
-    from hpctrain.checkpoint.cli import main
+    from hpctrain.commands.ckpt import main
 
     capsys.readouterr()
     assert main(["list", str(tmp_path / "rollback")]) == 0

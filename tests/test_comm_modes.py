@@ -131,7 +131,7 @@ def test_local_sgd_leaves_out_a_local_step_with_non_finite_gradients_on_this_ran
 
 
 def test_a_replica_that_differs_after_an_average_is_named_on_every_rank():
-    from hpctrain.replicas import model_fingerprints
+    from hpctrain.runtime.replicas import model_fingerprints
 
     model = torch.nn.Linear(2, 2)
     mine = model_fingerprints(model)
@@ -143,8 +143,8 @@ def test_a_replica_that_differs_after_an_average_is_named_on_every_rank():
             return 3
 
         @staticmethod
-        def allgather(value):
-            return [mine, mine, other]
+        def allgather(value):  # (job rank, fingerprints) of every rank
+            return [(0, mine), (1, mine), (2, other)]
 
     with pytest.raises(comm_modes.ReplicasDiverged, match=r"after the parameter average of step 8, ranks 2 hold "
                                                           r"parameters that differ from rank 0's \(first differing: "

@@ -3,7 +3,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpctrain.compression import FP16Compressor, NoneCompressor, get_compressor  # noqa: E402
+from hpctrain.backends.compression import FP16Compressor, NoneCompressor, get_compressor  # noqa: E402
 from hpctrain.errors import ConfigError  # noqa: E402
 
 

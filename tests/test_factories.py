@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain import factories
+from hpctrain.config import usercode
 from hpctrain.config import TrainConfig, apply_override, load_config, validate
 from hpctrain.data import as_dataset
 from hpctrain.errors import ConfigError
 from hpctrain.training import evaluation
+from hpctrain.training.losses import build_loss
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -80,7 +81,7 @@ def test_unknown_loss_name_and_builtin_losses():
     cfg.train.loss = "crossentropy"
     with pytest.raises(ConfigError, match="neither a built-in loss"):
         validate(cfg, need_data=False)
-    loss = factories.build_loss("cross_entropy")
+    loss = build_loss("cross_entropy")
     logits, tokens = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     expected = torch.nn.functional.cross_entropy(logits.reshape(10, 7), tokens.reshape(10))
     assert torch.allclose(loss(logits, tokens), expected)  # per-token logits (B, T, C)
@@ -89,12 +90,12 @@ def test_unknown_loss_name_and_builtin_losses():
 def test_call_errors_name_the_factory_and_the_line():
     with pytest.raises(ConfigError, match=r"model.factory = 'userpkg.models:smoother': calling it with "
                                           r"\{'kernel': 'x'\} raised TypeError(.|\n)*models.py:\d+"):
-        factories.make_importable([TESTS])
-        factories.call("userpkg.models:smoother", {"kernel": "x"}, "model.factory")
+        usercode.make_importable([TESTS])
+        usercode.call("userpkg.models:smoother", {"kernel": "x"}, "model.factory")
 
 
 def test_scores_accuracy_only_for_class_logits():
-    ce, mse = factories.build_loss("cross_entropy"), factories.build_loss("mse")
+    ce, mse = build_loss("cross_entropy"), build_loss("mse")
     two_d = evaluation.score_batch(torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]]), torch.tensor([0, 0, 0]), ce)
     assert two_d["accuracy"] == (2.0, 3)
     per_token = evaluation.score_batch(torch.randn(2, 4, 3), torch.zeros(2, 4, dtype=torch.long), ce)

@@ -41,7 +41,7 @@ def test_gpu_benchmark_refuses_cpus(tmp_path):
 
 
 # ---------------------------------------------------------------- on a GPU
-PINNED = ("from hpctrain.world import init_world; import torch; w = init_world(); "
+PINNED = ("from hpctrain.runtime.world import init_world; import torch; w = init_world(); "
           "print('pinned', w.rank, w.local_size, w.device, torch.cuda.current_device(), flush=True)")
 
 
@@ -134,7 +134,7 @@ def test_fp16_with_a_grad_scaler_trains_saves_and_resumes(tmp_path, digits):
 @needs_gpu
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 def test_horovod_averages_cuda_tensors(compression):
-    code = ("import torch; from hpctrain.world import init_world; from hpctrain.backends import get_backend; "
+    code = ("import torch; from hpctrain.runtime.world import init_world; from hpctrain.backends import get_backend; "
             "w = init_world(); b = get_backend('horovod', w, compression=%r); "
             "m = torch.nn.Linear(64, 64, bias=False).to(w.device); "
             "o = b.distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.0), m); "

@@ -38,7 +38,7 @@ class _Hvd:
 
 
 def _world(device, placements):
-    from hpctrain.world import World
+    from hpctrain.runtime.world import World
 
     return World(1, len(placements), 1, len(placements), "n1", "mpirun", _Comm(placements), device)
 

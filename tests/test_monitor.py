@@ -10,7 +10,8 @@ import pytest
 
 from hpctrain.monitoring import slownodes
 from hpctrain.monitoring.display import ProgressDisplay, format_line, resolve_mode
-from hpctrain.monitoring.monitor import Monitor, replica_fingerprints
+from hpctrain.monitoring.monitor import Monitor
+from hpctrain.runtime.replicas import parameter_fingerprints as replica_fingerprints
 from hpctrain.monitoring.runlog import RunLog
 from hpctrain.monitoring.slownodes import SlowRankDetector, slow_ranks_now
 from hpctrain.monitoring.timing import PHASES, PhaseTotals

@@ -60,7 +60,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
 
     assert peak(schedule_ops("gpipe", 0, 4, 8)) == 8
     assert [peak(schedule_ops("1f1b", s, 4, 8)) for s in range(4)] == [4, 3, 2, 1]
-    with pytest.raises(ConfigError, match="unknown pipeline schedule"):
+    with pytest.raises(ConfigError, match="parallel.schedule = 'zigzag' is not one of 1f1b, gpipe"):
         schedule_ops("zigzag", 0, 2, 2)
 
 

@@ -56,7 +56,7 @@ def test_bad_parallel_settings_name_what_to_set(sections, message, hint):
 def test_layer_stack_builds_each_layer_alike_in_any_order():
     from torch import nn
 
-    from hpctrain.parallel.stack import LayerStack
+    from hpctrain.models.stack import LayerStack
 
     stack = LayerStack(4, lambda i: nn.Linear(3, 3), seed=5)
     whole = stack.sequential()
@@ -73,7 +73,7 @@ def test_layer_stack_builds_each_layer_alike_in_any_order():
 
 def test_builtin_transformer_equals_its_stack():
     from hpctrain.models import build_model
-    from hpctrain.parallel.strategy import model_stack
+    from hpctrain.training.split import model_stack
 
     cfg = cfg_with(model={"name": "transformer", "in_features": 16, "hidden": 8, "depth": 1, "num_classes": 3},
                    run={"seed": 7})

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from hpctrain.job import preemption
+from hpctrain.runtime import slurm
 from mpi_harness import PYTHON, ROOT, mpi_env
 
 
@@ -45,11 +46,11 @@ def test_uninstall_restores_previous_handlers():
 
 
 def test_job_id_naming():
-    assert preemption.slurm_job_id({}) is None
-    assert preemption.slurm_job_id({"SLURM_JOB_ID": "12"}) == "12"
+    assert slurm.job_id({}) is None
+    assert slurm.job_id({"SLURM_JOB_ID": "12"}) == "12"
     # inside an array, the bare SLURM_JOB_ID is this task's own id; requeue the task by name
     env = {"SLURM_JOB_ID": "15", "SLURM_ARRAY_JOB_ID": "12", "SLURM_ARRAY_TASK_ID": "3"}
-    assert preemption.slurm_job_id(env) == "12_3"
+    assert slurm.job_id(env) == "12_3"
 
 
 def test_requeue_outside_slurm_says_so(capsys):
@@ -82,7 +83,7 @@ LOOP = textwrap.dedent("""
     import os, sys, time
     from mpi4py import MPI
     from hpctrain.job import preemption
-    from hpctrain.coordination import any_rank
+    from hpctrain.runtime.coordination import any_rank
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -190,13 +191,13 @@ def test_cli_installs_the_handler_before_importing_train(monkeypatch):
     monkeypatch.setattr(cli.importlib, "import_module", import_module)
     try:
         assert cli.main(["train", "x.toml"]) == 0
-        assert seen["hpctrain.training.command"] is preemption._handler
+        assert seen["hpctrain.commands.train"] is preemption._handler
     finally:
         preemption.uninstall()
         preemption.reset()
     # other commands keep the default handlers: a stop signal still ends them
     assert cli.main(["report", "x"]) == 0
-    assert seen["hpctrain.monitoring.report"] == before
+    assert seen["hpctrain.commands.report"] == before
 
 
 # Runs `-m hpctrain ...`, holding the import of the training module (where torch, mpi4py and
@@ -206,7 +207,7 @@ HOLD_START = textwrap.dedent("""
 
     class Hold(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "hpctrain.training.command":
+            if name == "hpctrain.commands.train":
                 sys.meta_path.remove(self)
                 from hpctrain.job import preemption
                 print("holding start-up", flush=True)

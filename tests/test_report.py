@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from hpctrain.commands import report as report_command
 from hpctrain.monitoring import report
 
 
@@ -61,11 +62,11 @@ def test_resumed_run_adds_up_its_segments_and_skips_a_cut_line(tmp_path):
 
 
 def test_missing_or_empty_runs(tmp_path, capsys):
-    assert report.main([str(tmp_path)]) == 2
+    assert report_command.main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
     # a run with a start record only: no plots, still a summary
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "start", "timestamp": 1.0}) + "\n")
-    assert report.main([str(tmp_path)]) == 0
+    assert report_command.main([str(tmp_path)]) == 0
     assert (tmp_path / "report" / "summary.txt").read_text().startswith("steps: 0")
     assert not list((tmp_path / "report").glob("*.png"))
 

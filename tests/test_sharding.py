@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.config import TrainConfig, validate
 from hpctrain.errors import ConfigError
-from hpctrain.sharding import ShardedOptimizer, pieces_of, shard_bounds
+from hpctrain.training.sharding import ShardedOptimizer, pieces_of, shard_bounds
 
 SHAPES = [(24, 8), (24,), (24, 24), (24,), (4, 24), (4,)]
 
@@ -66,7 +66,7 @@ def test_config_shard_refuses_fp16_gradscaler():
 def test_unsupported_optimizer_shapes_are_refused_before_any_collective():
     import torch
 
-    from hpctrain.sharding import check_supported
+    from hpctrain.training.sharding import check_supported
 
     model = torch.nn.Linear(3, 2)
     groups = [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.0}]
@@ -131,7 +131,11 @@ def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained
             opt.synchronize()
             assert opt.grads_finite()
             norm = opt.clip_grad_norm(0.5)
-            assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)), rel=1e-5)
+            assert norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])),
+                                         rel=1e-5)
+            # torch sums the squares in float32, the sharded optimizer in float64 (across ranks): the
+            # norms agree to rounding, and with one norm for both the clipped steps agree bit for bit
+            torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.5, torch.tensor(norm, dtype=torch.float64))
             opt.step()
             plain.step()
             opt.zero_grad()
@@ -142,7 +146,7 @@ def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained
 
 
 def test_gradient_buckets_cover_the_flat_buffer_from_its_end():
-    from hpctrain.sharding import gradient_buckets
+    from hpctrain.training.sharding import gradient_buckets
 
     sizes = [5, 3, 8, 2, 7]
     buckets = gradient_buckets(sizes, 9)
@@ -157,7 +161,7 @@ def test_allreduce_buckets_start_during_the_last_backward_pass_in_a_fixed_order(
     bucket of the last layer starts before the first layer's gradient exists."""
     import torch
 
-    from hpctrain import sharding
+    from hpctrain.training import sharding
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))

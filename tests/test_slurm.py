@@ -38,7 +38,7 @@ def test_job_scripts_document_themselves_and_keep_site_lines_commented():
 PROBE = textwrap.dedent("""
     import json, os, sys
     from hpctrain.errors import LaunchError
-    from hpctrain.world import init_world, launch_info
+    from hpctrain.runtime.world import init_world, launch_info
     before = launch_info()
     env = sorted(k for k in os.environ if k.startswith("OMPI_COMM_WORLD"))
     try:

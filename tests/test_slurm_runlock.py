@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from hpctrain.job import runlock
 from hpctrain.errors import HpctrainError
+from hpctrain.job import runlock
+from hpctrain.runtime import slurm
 from mpi_harness import ROOT
 
 
@@ -106,7 +107,7 @@ def test_requeued_job_takes_over_but_a_second_live_step_is_refused(tmp_path, mon
                                             "SLURM_RESTART_COUNT": "1"})
     assert json.loads(lock.read_text())["slurm_restart"] == 1
     # the same run of the job, another step that squeue still lists: a second live step, refused
-    monkeypatch.setattr(runlock, "_squeue", lambda args: "77.0\n77.batch\n")
+    monkeypatch.setattr(slurm, "squeue", lambda args: "77.0\n77.batch\n")
     lock.write_text(_slurm_holder("77.0", 0))
     with pytest.raises(runlock.RunDirBusy) as info:
         runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
@@ -114,7 +115,7 @@ def test_requeued_job_takes_over_but_a_second_live_step_is_refused(tmp_path, mon
     assert "in use by Slurm job 77 step 77.0, pid 1 on othernode" in text
     assert "another step of this job, still running" in text and "scancel 77.0" in text
     # ... and once squeue no longer lists that step, it is taken over
-    monkeypatch.setattr(runlock, "_squeue", lambda args: "77.batch\n")
+    monkeypatch.setattr(slurm, "squeue", lambda args: "77.batch\n")
     runlock.acquire(str(tmp_path), environ={"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1"})
     assert json.loads(lock.read_text())["slurm_step"] == "77.1"
     # the batch step (mpirun in the job script) on another node lives as long as the job

@@ -32,7 +32,7 @@ WRAPPER = textwrap.dedent('''
 
     class Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name != "hpctrain.training.command":
+            if name != "hpctrain.commands.train":
                 return None
             sys.meta_path.remove(self)
             from hpctrain.job import preemption

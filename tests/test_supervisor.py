@@ -8,8 +8,11 @@ import pytest
 
 from hpctrain.config import resolve_global_batch
 from hpctrain.errors import ConfigError
-from hpctrain.job import failure, supervisor
-from hpctrain.job.supervisor import Attempt, Mpirun, Plan, Srun, Supervisor
+from hpctrain.commands import launch
+from hpctrain.job import diagnosis, relaunch
+from hpctrain.job.launchers import Attempt, Mpirun, Srun
+from hpctrain.job.relaunch import LaunchPlan, Supervisor
+from hpctrain.runtime import failures, slurm
 
 OMPI_KILLED = """--------------------------------------------------------------------------
 Primary job  terminated normally, but 1 process returned
@@ -38,31 +41,31 @@ srun: error: node01: tasks 0-2,4: Exited with exit code 1
 
 
 def test_launcher_events_name_rank_host_and_signal_or_status():
-    assert failure.launcher_events(OMPI_KILLED) == [
+    assert diagnosis.launcher_events(OMPI_KILLED) == [
         {"rank": 1, "host": "vm", "signal": 9, "status": None, "source": "mpirun"}]
-    assert failure.launcher_events(OMPI_EXIT) == [
+    assert diagnosis.launcher_events(OMPI_EXIT) == [
         {"rank": 1, "host": None, "signal": None, "status": 2, "source": "mpirun"}]
-    assert failure.launcher_events(OMPI_ABORT) == [
+    assert diagnosis.launcher_events(OMPI_ABORT) == [
         {"rank": 3, "host": None, "signal": None, "status": 4, "source": "mpirun"}]
-    events = failure.launcher_events(SRUN)
+    events = diagnosis.launcher_events(SRUN)
     assert events[0] == {"rank": 5, "host": "node02", "signal": 9, "status": None, "source": "srun"}
     assert [(e["rank"], e["host"], e["status"]) for e in events[1:]] == [(r, "node01", 1) for r in (0, 1, 2, 4)]
 
 
 def test_a_killed_rank_is_the_cause_before_the_others_records():
     records = [{"kind": "exception", "rank": 0, "host": "node01", "status": 1, "error": "RuntimeError", "timestamp": 2}]
-    f = failure.diagnose(1, records, failure.launcher_events(SRUN))
+    f = diagnosis.diagnose(1, records, diagnosis.launcher_events(SRUN))
     assert (f.cause, f.rank, f.host, f.signal, f.restartable, f.source) == ("signal", 5, "node02", 9, True, "srun")
     assert f.describe() == "rank 5 on node02 was killed by signal 9 (SIGKILL)"
 
 
 def test_tasks_srun_killed_after_a_failure_are_not_the_cause():
     text = "srun: error: node01: task 1: Exited with exit code 1\nsrun: error: node02: task 0: Killed\n"
-    assert [e["rank"] for e in failure.launcher_events(text)] == [1, 0]
+    assert [e["rank"] for e in diagnosis.launcher_events(text)] == [1, 0]
     records = [{"kind": "exception", "rank": 1, "host": "node01", "status": 1, "error": "KeyError", "timestamp": 1}]
-    f = failure.diagnose(1, records, failure.launcher_events(text))
+    f = diagnosis.diagnose(1, records, diagnosis.launcher_events(text))
     assert (f.cause, f.rank, f.host, f.error, f.source) == ("exception", 1, "node01", "KeyError", "record")
-    f = failure.diagnose(1, [], failure.launcher_events(text))
+    f = diagnosis.diagnose(1, [], diagnosis.launcher_events(text))
     assert (f.cause, f.rank, f.host, f.status, f.source) == ("failure", 1, "node01", 1, "srun")
 
 
@@ -76,10 +79,10 @@ srun: error: Node failure on n3
 
 
 def test_a_node_slurm_lost_is_the_cause_before_the_hang_it_caused():
-    assert failure.launcher_events(SRUN_NODE_LOST)[-1] == {
+    assert diagnosis.launcher_events(SRUN_NODE_LOST)[-1] == {
         "rank": None, "host": "n3", "signal": None, "status": None, "source": "srun", "node_failure": True}
     records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
-    f = failure.diagnose(1, records, failure.launcher_events(SRUN_NODE_LOST))
+    f = diagnosis.diagnose(1, records, diagnosis.launcher_events(SRUN_NODE_LOST))
     assert (f.cause, f.host, f.rank, f.restartable, f.source) == ("node_failure", "n3", None, True, "srun")
     assert f.describe() == "node n3 failed (Slurm lost contact with it)"
 
@@ -91,44 +94,44 @@ def test_the_first_own_record_decides(status, cause, restartable):
                {"kind": "error" if status != 1 else "exception", "rank": 2, "host": "n2", "status": status,
                 "error": "X", "timestamp": 3},
                {"kind": "exception", "rank": 0, "host": "n1", "status": 1, "error": "Y", "timestamp": 4}]
-    f = failure.diagnose(status, records, failure.launcher_events(OMPI_EXIT))
+    f = diagnosis.diagnose(status, records, diagnosis.launcher_events(OMPI_EXIT))
     assert (f.cause, f.rank, f.host, f.status, f.restartable, f.source) == \
         (cause, 2, "n2", status, restartable, "record")
 
 
 def test_hang_record_and_exit_status_fallbacks():
-    f = failure.diagnose(4, [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 7, "error": "Hang"}])
+    f = diagnosis.diagnose(4, [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 7, "error": "Hang"}])
     assert (f.cause, f.step, f.restartable) == ("hang", 7, True)
     assert f.describe() == "rank 0 on n1 hung in step 7 and the watchdog ended the job"
-    f = failure.diagnose(2, [], failure.launcher_events(OMPI_EXIT), hosts=["a", "b"])
+    f = diagnosis.diagnose(2, [], diagnosis.launcher_events(OMPI_EXIT), hosts=["a", "b"])
     assert (f.cause, f.rank, f.host, f.restartable) == ("bad_input", 1, "b", False)
-    assert failure.diagnose(137, []).signal == 9 and failure.diagnose(-15, []).signal == 15
-    assert failure.diagnose(4, [], failure.launcher_events(OMPI_ABORT)).cause == "hang"
+    assert diagnosis.diagnose(137, []).signal == 9 and diagnosis.diagnose(-15, []).signal == 15
+    assert diagnosis.diagnose(4, [], diagnosis.launcher_events(OMPI_ABORT)).cause == "hang"
 
 
 def test_record_appends_one_json_line_when_the_variable_is_set(tmp_path):
     path = tmp_path / "failures.jsonl"
-    failure.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ={})
+    failures.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ={})
     assert not path.exists()
     env = {"HPCTRAIN_FAILURE_FILE": str(path)}
-    failure.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ=env)
-    failure.record("hang", rank=0, host="n1", status=4, step=9, environ=env)
-    first, second = failure.read_records(path)
+    failures.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ=env)
+    failures.record("hang", rank=0, host="n1", status=4, step=9, environ=env)
+    first, second = failures.read_records(path)
     assert (first["kind"], first["rank"], first["host"], first["error"], first["message"]) == \
         ("exception", 3, "n7", "KeyError", "boom")
     assert (second["kind"], second["step"], second["status"]) == ("hang", 9, 4)
-    assert failure.read_records(path, offset=len(path.read_text().splitlines()[0]) + 1) == [second]
+    assert failures.read_records(path, offset=len(path.read_text().splitlines()[0]) + 1) == [second]
 
 
 def test_abort_on_exception_records_a_configuration_error(tmp_path, monkeypatch):
-    from hpctrain.coordination import abort_on_exception
+    from hpctrain.runtime.coordination import abort_on_exception
 
     monkeypatch.setenv("HPCTRAIN_FAILURE_FILE", str(tmp_path / "f.jsonl"))
     with pytest.raises(SystemExit) as exit_:
         with abort_on_exception(None, where="n1"):
             raise ConfigError("train.lr = -1.0 must be > 0", hint="set train.lr to a positive value")
     assert exit_.value.code == 2
-    (rec,) = failure.read_records(tmp_path / "f.jsonl")
+    (rec,) = failures.read_records(tmp_path / "f.jsonl")
     assert (rec["kind"], rec["rank"], rec["host"], rec["status"], rec["error"]) == ("error", 0, "n1", 2, "ConfigError")
 
 
@@ -146,7 +149,7 @@ class Scripted(Supervisor):
 
 
 def plan(tmp_path, launcher, ranks, **kw):
-    return Plan("job.toml", ["train.lr=0.1"], str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"),
+    return LaunchPlan("job.toml", ["train.lr=0.1"], str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"),
                 launcher, ranks, python="py", **kw)
 
 
@@ -193,19 +196,19 @@ def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):
 
 def test_unresponsive_nodes_from_sinfo():
     text = "n1 mix\nn2 mix*\nn3 idle\nn4 down*\nn5 drng\nn6 alloc\n"
-    assert supervisor.unresponsive_nodes(text, ["n6", "n5", "n4", "n3", "n2", "n1"]) == ["n5", "n4", "n2"]
-    assert supervisor.unresponsive_nodes("", ["n1"]) == []
-    assert supervisor.node_states(text)["n4"] == "down*"
+    assert slurm.unresponsive_nodes(text, ["n6", "n5", "n4", "n3", "n2", "n1"]) == ["n5", "n4", "n2"]
+    assert slurm.unresponsive_nodes("", ["n1"]) == []
+    assert slurm.node_states(text)["n4"] == "down*"
 
 
 def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tmp_path, monkeypatch):
     # a network partition: every rank hung alike, srun names no node, Slurm's node state does
     asked = []
-    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: asked.append(nodes) or ["n2"])
+    monkeypatch.setattr(slurm, "sinfo", lambda nodes: asked.append(nodes) or "n1 mix\nn2 mix*\nn3 mix\n")
     down = iter(["mix*", "mix*", "down*"])  # flagged first, marked down two polls later
-    monkeypatch.setattr(supervisor, "_slurm_state", lambda node: next(down))
-    monkeypatch.setattr(supervisor, "_left_allocation", lambda node, job: False)
-    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    monkeypatch.setattr(slurm, "node_state", lambda node: next(down))
+    monkeypatch.setattr(slurm, "left_allocation", lambda node, job: False)
+    monkeypatch.setattr(relaunch.time, "sleep", lambda s: None)
     records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
     text = ("MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\nwith errorcode 4.\n"
             "srun: error: n1: task 0: Killed\nsrun: error: n3: task 2: Exited with exit code 4\n"
@@ -219,8 +222,8 @@ def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tm
 
 
 def test_a_hang_with_every_node_responding_relaunches_on_the_same_nodes(tmp_path, monkeypatch):
-    monkeypatch.setattr(supervisor, "NODE_CHECK_SECONDS", 0)
-    monkeypatch.setattr(supervisor, "_slurm_unresponsive", lambda nodes: [])
+    monkeypatch.setattr(relaunch, "NODE_CHECK_SECONDS", 0)
+    monkeypatch.setattr(slurm, "sinfo", lambda nodes: "")
     records = [{"kind": "hang", "rank": 1, "host": "n2", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
     p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
     sup = Scripted(p, [Attempt(4, "", records, [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
@@ -275,15 +278,15 @@ def test_stop_on_request_is_passed_on_and_divergence_is_not_restarted(tmp_path, 
 
 def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert supervisor.main(["examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+    assert launch.main(["examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "-n RANKS was not given" in err and "not started" in err
-    assert supervisor.main(["-n", "2", "examples/digits.toml", "train.nope=1"]) == 2
+    assert launch.main(["-n", "2", "examples/digits.toml", "train.nope=1"]) == 2
     assert "train.nope" in capsys.readouterr().err
-    assert supervisor.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
+    assert launch.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
     assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert supervisor.main(["-n", "2", "examples/digits.toml"]) == 2
+    assert launch.main(["-n", "2", "examples/digits.toml"]) == 2
     assert "mpirun is not on PATH" in capsys.readouterr().err
 
 

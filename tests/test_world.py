@@ -1,7 +1,7 @@
 """Launcher detection and its cross-check against MPI (pure logic)."""
 import pytest
 
-from hpctrain.world import cpu_threads_per_rank, launch_info, launch_problems
+from hpctrain.runtime.world import cpu_threads_per_rank, launch_info, launch_problems
 
 
 def test_no_launcher():
@@ -94,7 +94,7 @@ def test_threads_follow_a_real_cpu_binding():
 
     if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
         pytest.skip("needs Linux CPU affinity and at least 2 cores")
-    code = ("import os; from hpctrain.world import cpu_threads_per_rank;"
+    code = ("import os; from hpctrain.runtime.world import cpu_threads_per_rank;"
             "cpu = min(os.sched_getaffinity(0)); os.sched_setaffinity(0, {cpu});"
             "print(cpu_threads_per_rank(1, {}))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from hpctrain.world import YIELD_VARIABLE, mpi_defaults
+from hpctrain.runtime.world import YIELD_VARIABLE, mpi_defaults
 from mpi_harness import mpirun
 
 PROBE = "tests/mpi/mpi_settings_probe.py"

@@ -6,12 +6,11 @@ for machines without Horovod. Both implement :class:`hpctrain.backends.base.Back
 
 >>> backend = get_backend("mpi", world, compression="fp16")     # doctest: +SKIP
 """
+from ..config.schema import BACKENDS
 from ..errors import ConfigError
 from .base import Backend
 
-NAMES = ("horovod", "mpi")
-
-__all__ = ["Backend", "NAMES", "get_backend"]
+__all__ = ["Backend", "backend_class", "get_backend"]
 
 
 def get_backend(name, world, compression="none", gradient_predivide_factor=1.0):
@@ -20,15 +19,16 @@ def get_backend(name, world, compression="none", gradient_predivide_factor=1.0):
     Raises :class:`~hpctrain.errors.BackendUnavailable` when it is not installed, and
     :class:`~hpctrain.errors.ConfigError` for an unknown name.
     """
-    from ..coordination import all_or_none
+    from ..runtime.coordination import all_or_none
 
     # Agree first that every rank can load it: a rank without Horovod must not leave the
     # others waiting inside hvd.init().
-    cls = all_or_none(lambda: _backend_class(name), world.comm)
+    cls = all_or_none(lambda: backend_class(name), world.comm)
     return cls(world, compression=compression, gradient_predivide_factor=gradient_predivide_factor)
 
 
-def _backend_class(name):
+def backend_class(name):
+    """The backend class called ``name``, importable on this rank (Horovod loaded: its build works)."""
     if name == "horovod":
         from .horovod_backend import HorovodBackend, import_horovod
 
@@ -38,5 +38,5 @@ def _backend_class(name):
         from .mpi_backend import MPIBackend
 
         return MPIBackend
-    raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}",
+    raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}",
                       hint='set comm.backend = "horovod" or "mpi" (or HPCTRAIN_BACKEND)')

@@ -276,7 +276,7 @@ class HorovodProcessSetBackend(HorovodBackend):
         else:
             import os
 
-            from ..coordination import everywhere
+            from ..runtime.coordination import everywhere
 
             if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":  # the same on every rank
                 raise everywhere(BackendUnavailable(

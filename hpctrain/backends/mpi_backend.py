@@ -8,8 +8,8 @@ import warnings
 
 import numpy as np
 
-from ..compression import get_compressor
-from ..flat import views
+from .compression import get_compressor
+from ..runtime.flat import views
 from .base import Backend, allgather_in_place
 
 # Bytes per fused buffer: few enough calls that latency does not dominate, small enough

@@ -8,10 +8,15 @@ ranks through parallel HDF5, made durable and pointed to by ``latest`` by rank 0
     mgr.close()                            # waits for a background save
 
 The file layout is in ``docs/checkpoint-format.md``; ``hpctrain ckpt`` lists, inspects,
-verifies and exports checkpoints.
+verifies and exports checkpoints. The modules, lowest first: ``format`` (pure), ``snapshot``
+(torch objects as arrays), ``plan`` (who writes what), ``agreement``, ``writer`` and ``reader``
+(the I/O), ``sharded`` (sharded optimizers), ``directory`` and ``policy`` (the checkpoint
+directory, what to keep), ``commit`` (the one save pipeline), ``replicated`` (data-parallel
+states, the functions below), ``resume``, ``background``, ``interval``, ``manager``.
 """
 from .format import CheckpointCorrupt, NonFiniteState
-from .manager import CheckpointManager, load_checkpoint, save_checkpoint, verify_checkpoint
+from .manager import CheckpointManager
+from .replicated import load_checkpoint, save_checkpoint, verify_checkpoint
 
 __all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "CheckpointCorrupt",
            "NonFiniteState"]

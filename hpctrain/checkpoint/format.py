@@ -153,6 +153,15 @@ def combine_pieces(pieces):
     return crc
 
 
+def combine_checksums(gathered, ndatasets):
+    """Per-dataset CRC-32 from every rank's ``own_checksums`` lists."""
+    per = [[] for _ in range(ndatasets)]
+    for rank_list in gathered:
+        for i, offset, nbytes, crc in rank_list:
+            per[i].append((offset, nbytes, crc))
+    return [combine_pieces(p) for p in per]
+
+
 try:  # the same CRC-32 as zlib's, from ISA-L: 36 GB/s against zlib's 7 here (x86-64, aarch64)
     from isal.isal_zlib import crc32
 except ImportError:  # a platform without an isal wheel: zlib's
@@ -322,58 +331,6 @@ def runs(shape, region, itemsize):
     start = np.concatenate([idx, np.full((len(idx), 1), a)], axis=1)
     flat = np.ravel_multi_index(tuple(start.T), shape[:last + 1]) * inner * itemsize
     return [(int(o), run) for o in flat]
-
-
-# ---------------------------------------------------------------- retention
-
-def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", milestone_every=0):
-    """Steps to keep among ``checkpoints`` = ``[(step, metric_or_None)]``.
-
-    Keeps the newest ``keep_last`` (0: keep all), the ``keep_best`` best by metric
-    (``best_mode`` "min" or "max"; newer wins ties; missing or NaN metrics never count),
-    and every step divisible by ``milestone_every`` (0: off). The newest is always kept.
-    """
-    if best_mode not in ("min", "max"):
-        raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-    steps = sorted({step for step, _ in checkpoints}, reverse=True)
-    if not steps:
-        return set()
-    if keep_last <= 0:
-        return set(steps)
-    keep = set(steps[:keep_last]) | {steps[0]}
-    if keep_best > 0:
-        scored = [(metric, step) for step, metric in checkpoints
-                  if metric is not None and not (isinstance(metric, float) and math.isnan(metric))]
-        sign = 1 if best_mode == "min" else -1
-        scored.sort(key=lambda ms: (sign * ms[0], -ms[1]))
-        keep |= {step for _, step in scored[:keep_best]}
-    if milestone_every > 0:
-        keep |= {step for step in steps if step > 0 and step % milestone_every == 0}
-    return keep
-
-
-# ---------------------------------------------------------------- when to save
-
-def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_minutes=0.0,
-                on_epoch_end=True, on_finish=True, epoch_end=False, final=False, requested=False,
-                auto_due=False):
-    """Why to save now (``"requested"``, ``"final"``, ``"epoch_end"``, ``"steps"``, ``"time"``,
-    ``"auto"``: the interval hpctrain chose has passed) or None. Never twice for the same step."""
-    if step == last_saved_step:
-        return None
-    if requested:
-        return "requested"
-    if final and on_finish:
-        return "final"
-    if epoch_end and on_epoch_end:
-        return "epoch_end"
-    if every_steps > 0 and step % every_steps == 0:
-        return "steps"
-    if every_minutes > 0 and seconds_since_save >= every_minutes * 60.0:
-        return "time"
-    if auto_due:
-        return "auto"
-    return None
 
 
 # ---------------------------------------------------------------- JSON attributes

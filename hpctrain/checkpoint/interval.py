@@ -65,6 +65,11 @@ class AutoInterval:
         self.why = None
         self._tuned = True  # the interval fits the latest save cost
         self.changes = []
+        # What the manager measured at its calls: (clock, step) at the end of the previous one,
+        # what the last save cost the training (fed at the next call), the step it started from.
+        self._mark = None
+        self._blocked = None
+        self._first_step = None
 
     # -- measurements
 
@@ -96,6 +101,26 @@ class AutoInterval:
     @property
     def step_time(self):
         return statistics.median(self._steps) if self._steps else None
+
+    def call_ended(self, when, step, blocked=None):
+        """The manager's call at ``step`` returned at ``when``; ``blocked``: the seconds its save took."""
+        if blocked is not None:
+            self._blocked = blocked
+        self._mark = (when, step)
+
+    def due_at(self, step, now, last_saved_step, written=None):
+        """Rank 0 at the manager's call at ``step``: feed what was measured since the last call
+        (``written``: a background write's seconds, once durable); is a save due?"""
+        if self._blocked is not None:
+            self.observe_save(self._blocked)
+            self._blocked = None
+        if written is not None:
+            self.observe_write(written)
+        if self._mark is not None and step > self._mark[1]:  # not a second call at one step, nor a rollback
+            self.observe_step(now - self._mark[0], step - self._mark[1])
+        if self._first_step is None:
+            self._first_step = step
+        return self.due(step - (last_saved_step if last_saved_step is not None else self._first_step))
 
     # -- the rules
 

@@ -11,10 +11,11 @@ import logging
 
 import numpy as np
 
-from ..coordination import everywhere
+from ..runtime.coordination import everywhere
+from ..runtime.flat import bcast_bytes
 from ..errors import CheckpointError
 from . import format as fmt
-from .writer import agree, combine_checksums
+from .agreement import agree
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -144,17 +145,6 @@ def _flat(array):
 
 # MPI counts and displacements are C ints: datasets larger than this travel in pieces.
 MPI_MAX_BYTES = (1 << 31) - 1
-BCAST_BYTES = 1 << 30
-
-
-def bcast_bytes(array, root, comm):
-    """Broadcast the bytes of the C-contiguous ``array`` from ``root``, in place, in pieces
-    that MPI's int counts can hold."""
-    from mpi4py import MPI
-
-    flat = _flat(array)
-    for start in range(0, flat.nbytes, BCAST_BYTES):
-        comm.Bcast([flat[start:start + BCAST_BYTES], MPI.BYTE], root=root)
 
 
 def exchange(arrays, plan, comm):
@@ -212,7 +202,7 @@ def _read_pieces(f, paths, arrays, plan, rank, finite=(), dtypes=None):
     return out, errors
 
 
-def _mismatches(path, paths, expected, found):
+def check_checksums(path, paths, expected, found):
     bad = [f"/{p}: stored crc32 {e:08x}, data has {c:08x}"
            for p, e, c in zip(paths, expected, found) if e != c]
     if bad:
@@ -259,9 +249,9 @@ def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
     except CheckpointError as exc:
         raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
     if verify:
-        found = combine_checksums(comm.allgather(sums), len(paths))
+        found = fmt.combine_checksums(comm.allgather(sums), len(paths))
         expected = [int(header.datasets[p][2][fmt.CRC_ATTR]) for p in paths]
-        _mismatches(header.path, paths, expected, found)
+        check_checksums(header.path, paths, expected, found)
     exchange(arrays, plan, comm)
     return {p: a for p, a in zip(paths, arrays)}
 
@@ -332,8 +322,8 @@ def verify_written(path, expected, comm, parallel):
         finally:
             close_recording(f, errors)
     agree(errors, comm, path, "verifying")
-    found = combine_checksums(comm.allgather(sums), len(paths))
-    _mismatches(path, paths, [expected[p] for p in paths], found)
+    found = fmt.combine_checksums(comm.allgather(sums), len(paths))
+    check_checksums(path, paths, [expected[p] for p in paths], found)
 
 
 def verify_file(path):

@@ -16,10 +16,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..coordination import all_or_none, everywhere, on_root
+from ..runtime.coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError
 from . import format as fmt
-from . import reader, snapshot, writer
+from . import reader, snapshot
+from .agreement import agree
+from .plan import DatasetPlan, WritePlan, plan_snapshot
 
 STATE_PREFIX = fmt.OPT_STATE + "/"
 
@@ -44,7 +46,7 @@ def _description(opt):
 
 
 def _optimizer_plans(opt, tensors, rank, copy):
-    """One :class:`~.writer.DatasetPlan` per parameter and state tensor: each rank its rows."""
+    """One :class:`~.plan.DatasetPlan` per parameter and state tensor: each rank its rows."""
     plans = []
     for name, shape, pieces in opt.layout():
         per_row = int(np.prod(shape[1:])) if shape else 1
@@ -53,7 +55,7 @@ def _optimizer_plans(opt, tensors, rank, copy):
             if value.dim() == 0:  # e.g. Adam's step: the same on every rank, written by one
                 owner = pieces[0][0] if pieces else 0
                 array, dtype = snapshot.tensor_to_array(value, copy)
-                plans.append(writer.DatasetPlan(path, (), array.dtype, {fmt.DTYPE_ATTR: dtype}, [(owner, ())],
+                plans.append(DatasetPlan(path, (), array.dtype, {fmt.DTYPE_ATTR: dtype}, [(owner, ())],
                                                 array if rank == owner else None, finite=True))
                 continue
             mine, dtype = None, snapshot.dtype_name(value)
@@ -62,14 +64,14 @@ def _optimizer_plans(opt, tensors, rank, copy):
                     part = value.detach()[start:start + (b - a) * per_row].view((b - a,) + tuple(shape[1:]))
                     mine, dtype = snapshot.tensor_to_array(part, copy)
             stored = np.dtype(fmt.storage_dtype(dtype))
-            plans.append(writer.DatasetPlan(path, tuple(shape), stored, {fmt.DTYPE_ATTR: dtype},
+            plans.append(DatasetPlan(path, tuple(shape), stored, {fmt.DTYPE_ATTR: dtype},
                                             [(r, fmt.rows(shape, a, b)) for r, a, b, _ in pieces], mine,
                                             finite=True))
     return plans
 
 
 def plan(state, info, comm, copy=False):
-    """This rank's :class:`~.writer.Plan` of a sharded ``state`` (collective file, parallel HDF5)."""
+    """This rank's :class:`~.plan.WritePlan` of a sharded ``state`` (collective file, parallel HDF5)."""
     opt, rank = state.optimizer, comm.Get_rank()
     params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}
     entries = []
@@ -78,12 +80,12 @@ def plan(state, info, comm, copy=False):
         entries.append(snapshot.Entry(snapshot.model_path(name), array, {fmt.DTYPE_ATTR: dtype},
                                       finite=name in params))
     rng = snapshot.rng_entries(info["rng"])
-    base = writer.plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank)
+    base = plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank)
     description, tensors = _description(opt)
     groups = snapshot.optimizer_attrs(description)
     groups.update(snapshot.progress_attrs(state.progress, info["rng"], getattr(state, "scaler", None)))
     datasets = base.datasets[:len(entries)] + _optimizer_plans(opt, tensors, rank, copy) + base.datasets[len(entries):]
-    return writer.Plan(datasets, base.root_attrs, groups)
+    return WritePlan(datasets, base.root_attrs, groups)
 
 
 def check_parallel(parallel):
@@ -109,7 +111,7 @@ def _state_keys(header):
 
 def _read_slice(header, opt, comm, parallel):
     """Read this rank's rows of every optimizer state dataset into flat slice tensors.
-    Returns ``(tensors, scalars, checksums, errors)``; checksums as :func:`.writer.own_checksums`
+    Returns ``(tensors, scalars, checksums, errors)``; checksums as :func:`.plan.own_checksums`
     gives them, indexed by the sorted state paths."""
     import torch
 
@@ -192,11 +194,11 @@ def load(path, state, comm, parallel, restore_rng=True):
     arrays = reader.read_arrays(h, comm, parallel, keep=lambda p: not p.startswith(STATE_PREFIX))
     tensors, scalars, sums, errors, paths = _read_slice(h, opt, comm, parallel)
     try:
-        reader.agree(errors, comm, h.path, "reading")
+        agree(errors, comm, h.path, "reading")
     except CheckpointError as exc:
         raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
-    found = writer.combine_checksums(comm.allgather(sums), len(paths))
-    reader._mismatches(h.path, paths, [int(h.datasets[p][2][fmt.CRC_ATTR]) for p in paths], found)
+    found = fmt.combine_checksums(comm.allgather(sums), len(paths))
+    reader.check_checksums(h.path, paths, [int(h.datasets[p][2][fmt.CRC_ATTR]) for p in paths], found)
     typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
 
     def apply():

@@ -194,7 +194,7 @@ def _versions():
 def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
     """Attributes of ``/``: computed on rank 0 and broadcast, since parallel HDF5 needs
     every rank to write identical attribute values."""
-    from ..world import launch_info
+    from ..runtime.world import launch_info
 
     info = launch_info()
     now = time.time()
@@ -262,9 +262,9 @@ def take_snapshot(state, root_info):
     params = {name for name, _ in state.model.named_parameters(remove_duplicate=False)}
     entries = [entry(model_path(name), t, name in params) for name, t in state.model.state_dict().items()]
     entries += [entry(optimizer_state_path(pname, key), t, True) for pname, key, t in opt_tensors]
-    comm = getattr(state, "comm", None)
-    if comm is not None:  # collective: the stale mode waits here for an average in flight
-        entries += [entry(comm_path(name), t, True) for name, t in comm.checkpoint_tensors().items()]
+    mode = getattr(state, "comm_mode", None)
+    if mode is not None:  # collective: the stale mode waits here for an average in flight
+        entries += [entry(comm_path(name), t, True) for name, t in mode.checkpoint_tensors().items()]
     entries += rng_entries(root_info["rng"])
     groups = optimizer_attrs(description)
     groups.update(progress_attrs(state.progress, root_info["rng"], getattr(state, "scaler", None)))
@@ -359,8 +359,8 @@ def restore(state, arrays, attrs, path, partial=False, own=None):
     p.extra = json.loads(t["extra"])
     if "scaler" in t and getattr(state, "scaler", None) is not None:
         state.scaler.load_state_dict(json.loads(t["scaler"]))
-    if getattr(state, "comm", None) is not None:
-        state.comm.restore_tensors({comm_name(p): array_to_tensor(*v)
+    if getattr(state, "comm_mode", None) is not None:
+        state.comm_mode.restore_tensors({comm_name(p): array_to_tensor(*v)
                                     for p, v in arrays.items() if p.startswith(COMM + "/")})
 
 

@@ -1,5 +1,5 @@
 """Preemption: a signal from Slurm becomes a flag; the trainer turns the flag into a
-checkpoint and exit status :data:`EXIT_PREEMPTED`; the job script then requeues the job.
+checkpoint and exit status :data:`EXIT_PREEMPTED` (3); the job script then requeues the job.
 
 Slurm warns a job before its time limit or a preemption with a signal chosen in the job
 script (``#SBATCH --signal=B:USR1@120``, or ``scancel --signal=USR1``), and sends SIGTERM
@@ -8,7 +8,7 @@ MPI, since it may run while this rank is inside a collective. Only some ranks ma
 signal, so the trainer agrees at the next step boundary::
 
     from hpctrain.job import preemption
-    from hpctrain.coordination import any_rank
+    from hpctrain.runtime.coordination import any_rank
 
     preemption.install()                       # once, on every rank
     for batch in loader:
@@ -32,9 +32,10 @@ import signal
 import subprocess
 import sys
 
-from ..errors import HpctrainError
+from ..errors import EXIT_STOPPED, HpctrainError
+from ..runtime import slurm
 
-EXIT_PREEMPTED = 3
+EXIT_PREEMPTED = EXIT_STOPPED  # the name job scripts and training scripts use
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 _requested_by = None  # number of the first signal received, or None
@@ -85,17 +86,6 @@ def reset():
     _requested_by = None
 
 
-def slurm_job_id(environ=None):
-    """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside
-    a job array (requeueing the bare job id would requeue the whole array), else the job id,
-    or ``None`` outside Slurm."""
-    env = os.environ if environ is None else environ
-    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-    if array_job and task:
-        return f"{array_job}_{task}"
-    return env.get("SLURM_JOB_ID") or None
-
-
 class RequeueError(HpctrainError):
     """The job asked to be requeued but could not be."""
 
@@ -109,7 +99,7 @@ def requeue_if_possible(environ=None, scontrol=None, timeout=60):
     job would otherwise silently not come back.
     """
     env = os.environ if environ is None else environ
-    job = slurm_job_id(env)
+    job = slurm.job_id(env)
     if job is None:
         print("hpctrain: not running under Slurm (no SLURM_JOB_ID): nothing to requeue; "
               "resume by starting the same command again", file=sys.stderr, flush=True)
@@ -124,7 +114,7 @@ def requeue_if_possible(environ=None, scontrol=None, timeout=60):
     # scontrol's answer is read, and a line printed after it would be lost with the job.
     print(f"hpctrain: requeueing Slurm job {job} (scontrol requeue)", file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout)
+        proc = slurm.requeue(job, scontrol, timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RequeueError(f"`scontrol requeue {job}` failed: {exc}",
                            hint="resubmit the job script; the run resumes from its latest checkpoint")

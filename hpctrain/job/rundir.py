@@ -1,7 +1,8 @@
-"""The run directory: where a run's configuration, checkpoints and metrics go.
+"""The run directory: where a run's configuration, checkpoints, metrics and failure records go.
 
 ``run.run_dir`` when set (a requeued job comes back to it), else a new
-``<run.root or HPCTRAIN_RUN_ROOT or runs>/<run.name>-<date>-<time>``.
+``<run.root or HPCTRAIN_RUN_ROOT or runs>/<run.name>-<date>-<time>``. Its files are named here,
+for everything that writes or reads them.
 """
 import dataclasses
 import os
@@ -10,24 +11,36 @@ import time
 from .. import settings
 from . import runlock
 
+CONFIG_FILE = "config.toml"  # the resolved configuration
+METRICS_FILE = "metrics.jsonl"  # hpctrain.monitoring writes it; hpctrain launch adds its restarts
+FAILURE_FILE = "failures.jsonl"  # HPCTRAIN_FAILURE_FILE under hpctrain launch (hpctrain.runtime.failures)
+CHECKPOINTS = "checkpoints"  # unless checkpoint.directory says otherwise
+
+
+def new_path(cfg):
+    """A run directory for ``cfg`` that does not exist yet (absolute)."""
+    root = cfg.run.root or settings.get("RUN_ROOT") or "runs"
+    base = os.path.join(root, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):  # two runs started in the same second
+        n += 1
+        path = f"{base}-{n}"
+    return os.path.abspath(path)
+
+
+def checkpoint_dir(cfg, run_dir):
+    return cfg.checkpoint.directory or os.path.join(run_dir, CHECKPOINTS)
+
 
 def create(cfg, world, backend):
     """Create the run directory (rank 0) and write the resolved configuration into it."""
-    if cfg.run.run_dir:
-        path = cfg.run.run_dir
-    else:
-        root = cfg.run.root or settings.get("RUN_ROOT") or "runs"
-        base = os.path.join(root, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        path, n = base, 1
-        while os.path.exists(path):  # two runs started in the same second
-            n += 1
-            path = f"{base}-{n}"
+    path = cfg.run.run_dir or new_path(cfg)
     os.makedirs(path, exist_ok=True)
     # One job per run directory, and per checkpoint directory wherever that is: a second job
     # stops here, before it overwrites anything (runlock.release(path) frees both).
     runlock.acquire(path, checkpoint_dir=cfg.checkpoint.directory)
     resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
-    with open(os.path.join(path, "config.toml"), "w") as f:
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
         f.write(f"# resolved configuration of this run: {world.size} ranks ({world.launcher}), "
                 f"{backend.name} backend, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
                 f"# train.batch_size is per rank\n\n")

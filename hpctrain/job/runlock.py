@@ -46,14 +46,11 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import socket
-import subprocess
 import time
 
-from .. import fsutil
 from ..errors import HpctrainError
-from .preemption import slurm_job_id
+from ..runtime import fsutil, slurm
 
 log = logging.getLogger("hpctrain")
 
@@ -84,13 +81,8 @@ def _proc_state(pid):
 
 
 def _owner(environ=None):
-    env = os.environ if environ is None else environ
-    job_number = env.get("SLURM_JOB_ID") or None
-    step = None
-    if job_number:
-        step = f"{job_number}.{env.get('SLURM_STEP_ID') or 'batch'}"
-    return {"slurm_job": slurm_job_id(env), "slurm_step": step,
-            "slurm_restart": int(env.get("SLURM_RESTART_COUNT") or 0),
+    step, restart = slurm.step_of(environ)
+    return {"slurm_job": slurm.job_id(environ), "slurm_step": step, "slurm_restart": restart,
             "host": socket.gethostname(), "pid": os.getpid(),
             "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "token": secrets.token_hex(8)}
@@ -111,42 +103,6 @@ def _pid_alive(pid, proc_start=None):
     return True
 
 
-def _squeue(args):
-    """stdout of ``squeue -h ARGS``; ``None`` when unsure (no squeue, it failed or hung);
-    ``""`` when squeue says the job is unknown."""
-    squeue = shutil.which("squeue")
-    if not squeue:
-        return None
-    try:
-        proc = subprocess.run([squeue, "-h", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:
-        return "" if "Invalid job id" in proc.stderr else None
-    return proc.stdout
-
-
-def _slurm_job_active(job):
-    """False when squeue positively says the job is not pending/running; True if unsure."""
-    if not job:
-        return True
-    out = _squeue(["-j", str(job), "-o", "%T"])
-    if out is None:
-        return True
-    return any(s in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED")
-               for s in out.split())
-
-
-def _slurm_step_active(step):
-    """False when squeue positively says step ``<job>.<step>`` is not running; True if unsure."""
-    if not step or "." not in step:
-        return True
-    out = _squeue(["-s", "-j", step.split(".")[0], "-o", "%i"])
-    if out is None:
-        return True
-    return step in out.split()
-
-
 def stale_reason(holder, me):
     """Why the lock of ``holder`` may be taken over by ``me``, or ``None`` if it may not."""
     pid, host, job = holder.get("pid"), holder.get("host"), holder.get("slurm_job")
@@ -164,10 +120,10 @@ def stale_reason(holder, me):
             return f"same Slurm job {job} and step (restarted)"
         if str(holder.get("slurm_step")).endswith(".batch"):
             return None  # the batch step lives as long as the job (and is on another host)
-        if not _slurm_step_active(holder.get("slurm_step")):
+        if not slurm.step_active(holder.get("slurm_step")):
             return f"step {holder.get('slurm_step')} of Slurm job {job} has ended"
         return None  # another live step of this very allocation
-    if job and not _slurm_job_active(job):
+    if job and not slurm.job_active(job):
         return f"Slurm job {job} is no longer running"
     return None
 

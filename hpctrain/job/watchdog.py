@@ -34,8 +34,7 @@ import threading
 import time
 
 from .. import settings
-
-EXIT_HUNG = 4  # exit status of a job the watchdog ended
+from ..errors import EXIT_HUNG
 
 _active = None  # the watchdog of the run in this process, while its ``with`` block runs
 
@@ -164,7 +163,7 @@ class Watchdog:
             return self.where
         comm = self._comm()
         rank = comm.Get_rank() if comm is not None else 0
-        from ..world import node_name
+        from ..runtime.world import node_name
 
         return f"rank {rank} on {node_name()}"
 
@@ -176,8 +175,8 @@ class Watchdog:
 
     def _record(self, label, seconds):
         """The hang, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``)."""
-        from ..world import node_name
-        from .failure import record
+        from ..runtime.world import node_name
+        from ..runtime.failures import record
 
         step = label if isinstance(label, int) else None
         try:

@@ -5,7 +5,7 @@ consistency across ranks, and ``<run_dir>/metrics.jsonl`` for ``hpctrain report`
 ``on_end``) built on every rank. Each rank adds up its own step times
 (:class:`~hpctrain.monitoring.timing.PhaseTotals`); every ``gather_every`` steps one ``Gather``
 of those sums (a fixed-size float64 row) goes to rank 0, and every ``consistency_every`` steps
-one gather of each rank's :func:`replica_fingerprints`. Nothing is communicated in the other
+one gather of each rank's :func:`~hpctrain.runtime.replicas.parameter_fingerprints`. Nothing is communicated in the other
 steps; every rank must call ``on_step`` at the same steps. ``monitor.root`` is rank 0's
 :class:`~hpctrain.monitoring.runlog.RunLog`, which alone prints and writes files (``None`` on
 the other ranks).
@@ -29,17 +29,11 @@ import time
 
 import numpy as np
 
-from ..replicas import tensor_fingerprint
-from ..world import node_name
+from ..runtime.replicas import parameter_fingerprints
+from ..runtime.world import node_name
 from .runlog import RunLog
 from .slownodes import SlowRankDetector
 from .timing import FIELDS, PhaseTotals, peak_rss_bytes
-
-
-def replica_fingerprints(model):
-    """``(sum, crc)`` of every parameter, in ``model.parameters()`` order (the same on every
-    rank): data-parallel replicas are bitwise equal, so these must be too."""
-    return [tensor_fingerprint(p) for p in model.parameters()]
 
 
 class Monitor:
@@ -76,7 +70,7 @@ class Monitor:
         timings = self._gather_timings() if step % self.gather_every == 0 else None
         fingerprints = None
         if self.consistency_every and step % self.consistency_every == 0:
-            fingerprints = self.comm.gather(replica_fingerprints(state.model), root=0)
+            fingerprints = self.comm.gather(parameter_fingerprints(state.model), root=0)
         if self.root is not None:
             self.root.on_step(state.progress, metrics, phase_times, now, timings, fingerprints)
         # The monitor's own time (gathers, writing) is measured apart, not as step time.

@@ -1,7 +1,5 @@
-"""``hpctrain report RUN_DIR``: plots and a short summary of a run, from its ``metrics.jsonl``.
-
-    hpctrain report runs/digits-20250101-120000            # writes RUN_DIR/report/
-    hpctrain report RUN_DIR --out /tmp/report
+"""Plots and a short summary of a run, from its ``metrics.jsonl`` (``hpctrain report RUN_DIR``,
+:mod:`hpctrain.commands.report`).
 
 Writes ``loss.png`` (training loss and evaluation metrics over steps), ``throughput.png``
 (samples/s over wall time), ``ranks.png`` (work time per step of every rank in every
@@ -13,16 +11,14 @@ matplotlib (Agg, no display) and numpy are needed.
 Each ``plot_*`` function returns a matplotlib ``Figure`` (or ``None`` when the run has no
 such data), so the series can be checked before anything is written.
 """
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import HpctrainError
-from .runlog import METRICS_FILE
+from ..job.rundir import METRICS_FILE
 
 
 def read_metrics(run_dir):
@@ -292,19 +288,3 @@ def write_report(run_dir, out_dir=None):
     text = format_summary(summarize(records))
     (out / "summary.txt").write_text(text)
     return text, paths
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="hpctrain report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
-    parser.add_argument("--out", help="where to write the plots and summary.txt (default RUN_DIR/report)")
-    args = parser.parse_args(argv)
-    try:
-        text, paths = write_report(args.run_dir, args.out)
-    except HpctrainError as exc:
-        print(f"hpctrain report: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    sys.stdout.write(text)
-    print("wrote " + ", ".join(str(p) for p in list(paths.values()) + [Path(args.out or Path(args.run_dir) / "report")
-                                                                        / "summary.txt"]))
-    return 0

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..replicas import divergent_ranks
+from ..job.rundir import METRICS_FILE
+from ..runtime.replicas import divergent_ranks
 from .display import ProgressDisplay
 from .slownodes import SlowRankDetector, work_seconds
 from .timing import PHASES, PhaseTotals as T
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def _number(value):

@@ -11,18 +11,18 @@ import importlib
 
 _EXPORTS = {
     "Layout": "layout",
-    "LayerStack": "stack",
     "ReplicaBackend": "hybrid",
-    "SplitModel": "strategy",
     "ProcessGrid": "layout",
     "Pipeline": "pipeline",
     "partition": "pipeline",
     "schedule_ops": "pipeline",
     "ColumnParallelLinear": "tensor",
     "RowParallelLinear": "tensor",
-    "MLPBlock": "tensor",
     "ParallelMLP": "tensor",
-    "SelfAttention": "tensor",
+    # the dense parts a split model is made of (hpctrain.models), offered here beside their split versions
+    "LayerStack": "hpctrain.models.stack",
+    "MLPBlock": "hpctrain.models.blocks",
+    "SelfAttention": "hpctrain.models.blocks",
     "ParallelSelfAttention": "tensor",
     "tensor_parallelize": "tensor",
     "DataParallelGroup": "hybrid",
@@ -39,6 +39,6 @@ def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hpctrain.parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module if "." in module else f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -7,7 +7,7 @@ written in one layout loads in any other (including plain :func:`hpctrain.checkp
 into the dense model, and ``hpctrain ckpt export``).
 
 Saving (collective over ``grid.comm``) goes through the pipeline of data-parallel saves
-(:func:`hpctrain.checkpoint.manager.save_file`): the replicas of each stage are checked for
+(:func:`hpctrain.checkpoint.commit.save_file`): the replicas of each stage are checked for
 consistency, rank 0 names a temp file, every rank writes its pieces with the one writer, the
 file is re-read and verified, then committed. Only the plan differs: every rank describes the
 region of each global tensor it holds, and the ranks holding the same region (the stage's
@@ -26,8 +26,11 @@ import numpy as np
 
 from ..checkpoint import format as fmt
 from ..checkpoint import reader, snapshot, writer
-from ..checkpoint.manager import check_consistency, save_file
-from ..coordination import all_or_none, everywhere, on_root
+from ..checkpoint.agreement import agree
+from ..checkpoint.commit import save_file
+from ..checkpoint.plan import DatasetPlan, WritePlan
+from ..checkpoint.replicated import check_consistency
+from ..runtime.coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError
 from ..state import Progress, TrainState
 from .layout import rank_of
@@ -188,13 +191,13 @@ def _plan(module, optimizer, grid, progress, info):
                 array, _ = snapshot.tensor_to_array(h.tensor, copy=False)
                 # (0-d arrays stay arrays: indexing one with () would give a numpy scalar)
                 part = np.require(array[_local_slices(h, region)] if h.shape else array, requirements="C")
-            datasets.append(writer.DatasetPlan(path, shape, np.dtype(fmt.storage_dtype(dtype)),
+            datasets.append(DatasetPlan(path, shape, np.dtype(fmt.storage_dtype(dtype)),
                                                {fmt.DTYPE_ATTR: dtype}, pieces[path], part))
     for e in snapshot.rng_entries(info["rng"]):  # rank 0's generators, written by rank 0
         whole = [(0, fmt.rows(e.array.shape, 0, e.array.shape[0]))]
-        datasets.append(writer.DatasetPlan(e.path, e.array.shape, e.array.dtype, e.attrs, whole,
+        datasets.append(DatasetPlan(e.path, e.array.shape, e.array.dtype, e.attrs, whole,
                                            e.array if rank == 0 else None))
-    return writer.Plan(datasets, info["meta"], groups)
+    return WritePlan(datasets, info["meta"], groups)
 
 
 def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_config=None, metrics=None,
@@ -205,15 +208,42 @@ def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_c
 
     >>> save_parallel_checkpoint("run/ckpt-00000100.h5", pipe.module, opt, grid, progress)  # doctest: +SKIP
     """
-    if not writer.h5py_parallel():
-        raise everywhere(CheckpointError(
-            "checkpoints of split models are written collectively, but h5py was built without MPI support",
-            hint="build h5py against parallel HDF5 (`make setup`)"))
+    _require_parallel_h5py()
     # The replicas of a stage (and tensor rank) hold the same regions: they must agree.
     all_or_none(lambda: check_consistency(module, grid.dp_comm, consistency), grid.comm)
     return save_file(path, grid.comm, True, lambda info: _plan(module, optimizer, grid, progress, info), verify,
                      run_config=run_config, metrics=metrics, reason=reason,
                      step=0 if progress is None else progress.step, extra={"parallel_layout": layout_attr(grid)})
+
+
+def _require_parallel_h5py():
+    if not writer.h5py_parallel():
+        raise everywhere(CheckpointError(
+            "checkpoints of split models are written collectively, but h5py was built without MPI support",
+            hint="build h5py against parallel HDF5 (`make setup`)"))
+
+
+class SplitPlanner:
+    """Who writes and reads what of a split model's state, for the checkpoint manager
+    (:class:`~hpctrain.checkpoint.manager.CheckpointManager`): each rank the regions of the
+    global tensors it holds, into one file in the ordinary format; a file loads into any layout."""
+
+    collective_only = True
+
+    def __init__(self, grid, consistency="check"):
+        _require_parallel_h5py()
+        self.grid, self.consistency = grid, consistency
+
+    def check_replicas(self, state):
+        # The replicas of a stage (and tensor rank) hold the same tensors: they must agree.
+        all_or_none(lambda: check_consistency(state.model, self.grid.dp_comm, self.consistency), self.grid.comm)
+
+    def plan(self, state, info, parallel, buffers=None):
+        info["meta"]["parallel_layout"] = layout_attr(self.grid)
+        return _plan(state.model, state.optimizer, self.grid, state.progress, info)
+
+    def load(self, path, state):
+        return load_parallel_checkpoint(path, state.model, state.optimizer, self.grid, state.progress)
 
 
 # ---------------------------------------------------------------- loading
@@ -289,7 +319,7 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
         errors.append(f"reading: {type(exc).__name__}: {exc}")
     finally:
         reader.close_recording(f, errors)
-    writer.agree(errors, comm, path, "reading")
+    agree(errors, comm, path, "reading")
     state = TrainState(module, optimizer, progress if progress is not None else Progress())
     typed = {p: (a, header.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
     all_or_none(lambda: snapshot.restore(state, typed, header.group_attrs, path, partial=True), comm)

@@ -23,6 +23,8 @@ In code::
     hp.save("run/ckpt-00000100.h5", progress) # one HDF5 file, global tensors
 """
 from ..backends.base import Backend
+from ..config.schema import BACKENDS
+from ..config.validation import check_choice
 from ..errors import ConfigError
 from .layout import Layout, ProcessGrid, rank_of
 from .pipeline import Pipeline
@@ -31,7 +33,7 @@ from .pipeline import Pipeline
 def sub_world(comm):
     """A :class:`~hpctrain.world.World` for a sub-communicator, so that the existing
     backends can run over it."""
-    from ..world import World, node_name
+    from ..runtime.world import World, node_name
 
     return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=0, local_size=1,
                  node=node_name(), launcher="mpirun", comm=comm)
@@ -56,12 +58,9 @@ class ReplicaBackend(Backend):
     """
 
     def __init__(self, grid, name="mpi", compression="none", gradient_predivide_factor=1.0, backward_passes=1):
-        from ..backends import NAMES
         from ..backends.mpi_backend import MPIBackend
 
-        if name not in NAMES:
-            raise ConfigError(f"comm.backend is {name!r}; expected one of {', '.join(NAMES)}",
-                              hint='set comm.backend = "horovod" or "mpi"')
+        check_choice("comm.backend", name, BACKENDS)
         world = sub_world(grid.comm)
         super().__init__(world, compression, gradient_predivide_factor)
         self.grid = grid
@@ -73,10 +72,10 @@ class ReplicaBackend(Backend):
         self._world_mpi = MPIBackend(world)
         # One replica: nothing to average, so no Horovod process sets either.
         if name == "horovod" and grid.layout.replicas > 1:
-            from ..backends import _backend_class
-            from ..coordination import all_or_none
+            from ..backends import backend_class
+            from ..runtime.coordination import all_or_none
 
-            all_or_none(lambda: _backend_class("horovod"), grid.comm)  # every rank can load it, or none waits
+            all_or_none(lambda: backend_class("horovod"), grid.comm)  # every rank can load it, or none waits
             from ..backends.horovod_backend import HorovodProcessSetBackend
 
             self.group = HorovodProcessSetBackend(world, replica_groups(grid.layout), compression,

@@ -99,7 +99,7 @@ class ProcessGrid:
         layout, so a bad one raises the same ConfigError everywhere before any Split."""
         from mpi4py import MPI
 
-        from ..coordination import all_or_none
+        from ..runtime.coordination import all_or_none
 
         comm = MPI.COMM_WORLD if comm is None else getattr(comm, "comm", comm)
         layout = all_or_none(lambda: layout.resolve(comm.Get_size()), comm)

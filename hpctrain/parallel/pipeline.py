@@ -25,11 +25,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config.schema import BALANCES, SCHEDULES
+from ..config.validation import check_choice
 from ..errors import ConfigError
-from .stack import LayerStack
-
-SCHEDULES = ("gpipe", "1f1b")
-BALANCE = ("params", "time")
+from ..models.stack import LayerStack
 
 # Header of every activation/gradient message: dtype code, ndim, up to MAX_DIMS sizes.
 MAX_DIMS = 8
@@ -87,6 +86,7 @@ def bounds_from_counts(counts, n):
 def schedule_ops(kind, stage, stages, micro_batches):
     """The order in which ``stage`` runs forward (``"F"``) and backward (``"B"``) passes of
     its micro-batches: ``[("F", 0), ("F", 1), ("B", 0), ...]`` (pure)."""
+    check_choice("parallel.schedule", kind, SCHEDULES)
     m = micro_batches
     if kind == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -96,8 +96,6 @@ def schedule_ops(kind, stage, stages, micro_batches):
         for i in range(m - warm):
             ops += [("F", warm + i), ("B", i)]
         return ops + [("B", i) for i in range(m - warm, m)]
-    raise ConfigError(f"unknown pipeline schedule {kind!r}; expected one of {', '.join(SCHEDULES)}",
-                      hint='parallel.schedule = "1f1b" (less activation memory) or "gpipe"')
 
 
 def layer_list(model):
@@ -132,103 +130,45 @@ def measure_times(layers, sample, repeats=3):
     return times
 
 
-# ---------------------------------------------------------------- the pipeline
+def stage_bounds(named, stack, stages, micro_batches, schedule, balance, sample):
+    """``[(start, stop)]`` of every stage's layers, or None when ``balance = "time"`` (measured
+    later); the same checks, and the same ConfigError, on every rank."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(f"parallel.micro_batches is {micro_batches!r}; expected an integer >= 1")
+    schedule_ops(schedule, 0, stages, 1)
+    if len(named) < stages:
+        raise ConfigError(
+            f"cannot split a model of {len(named)} layer(s) into {stages} pipeline stages: "
+            f"every stage needs at least one layer",
+            hint=f"use at most {len(named)} stages (parallel.stages), or split the model into more layers")
+    if isinstance(balance, (list, tuple)):
+        if len(balance) != stages:
+            raise ConfigError(f"pipeline balance {list(balance)} names {len(balance)} stages, the layout has "
+                              f"{stages}", hint="give one layer count per stage")
+        return bounds_from_counts(balance, len(named))
+    check_choice("parallel.balance", balance, BALANCES, "balance='params', 'time' or a list of layer counts")
+    if balance == "params":
+        counts = (stack.parameter_counts() if stack is not None
+                  else [sum(p.numel() for p in layer.parameters()) for _, layer in named])
+        return partition(counts, stages)
+    if sample is None:
+        raise ConfigError("balance='time' needs a sample micro-batch to time the layers on",
+                          hint="pass sample=<a micro-batch of inputs>, or use balance='params'")
+    return None
 
-class Pipeline:
-    """This rank's stage of a pipeline over ``grid.pp_comm``.
 
-    ``model``: ``nn.Sequential`` or list of layers, the same on every rank (build it with
-    one seed everywhere; only this stage's layers are kept), or a
-    :class:`~.stack.LayerStack`, of which every rank builds only its stage's layers. ``loss_fn(output, target)``
-    runs on the last stage and should average over samples. ``balance``: ``"params"``
-    (parameter count), ``"time"`` (measured on ``sample``, a micro-batch of inputs) or a
-    list of layers per stage. With ``grid.layout.tensor > 1`` the stage's MLP and
-    attention blocks are split over ``grid.tp_comm`` (:func:`~.tensor.tensor_parallelize`).
+# ---------------------------------------------------------------- point-to-point
 
-    ``module`` is this stage's ``nn.Sequential``; its parameter names are the full model's.
-    """
+class StageLink:
+    """Activations and gradients between the stages of one pipeline (``comm``: ``grid.pp_comm``):
+    each message a small header (dtype code, ndim, sizes) then the bytes, through host memory
+    (no CUDA-aware MPI is assumed). Sends are non-blocking until :meth:`wait_sends`."""
 
-    def __init__(self, model, grid, loss_fn=None, micro_batches=1, schedule="1f1b", balance="params",
-                 sample=None):
-        from ..coordination import all_or_none
-
-        self.grid = grid
-        self.comm = grid.pp_comm
-        self.stages = grid.layout.stages
-        self.stage = grid.stage
-        self.loss_fn = loss_fn
-        self.micro_batches = micro_batches
-        self.schedule = schedule
-        # A LayerStack is built lazily: only this stage's layers ever exist on this rank.
-        stack = model if isinstance(model, LayerStack) else None
-        named = [(name, None) for name in stack.names] if stack is not None else layer_list(model)
-
-        def check():
-            if not isinstance(micro_batches, int) or micro_batches < 1:
-                raise ConfigError(f"parallel.micro_batches is {micro_batches!r}; expected an integer >= 1")
-            schedule_ops(schedule, 0, self.stages, 1)
-            if len(named) < self.stages:
-                raise ConfigError(
-                    f"cannot split a model of {len(named)} layer(s) into {self.stages} pipeline stages: "
-                    f"every stage needs at least one layer",
-                    hint=f"use at most {len(named)} stages (parallel.stages), or split the model into more layers")
-            if isinstance(balance, (list, tuple)):
-                if len(balance) != self.stages:
-                    raise ConfigError(f"pipeline balance {list(balance)} names {len(balance)} stages, the layout has "
-                                      f"{self.stages}", hint="give one layer count per stage")
-                return bounds_from_counts(balance, len(named))
-            if balance == "params":
-                counts = (stack.parameter_counts() if stack is not None
-                          else [sum(p.numel() for p in layer.parameters()) for _, layer in named])
-                return partition(counts, self.stages)
-            if balance == "time":
-                if sample is None:
-                    raise ConfigError("balance='time' needs a sample micro-batch to time the layers on",
-                                      hint="pass sample=<a micro-batch of inputs>, or use balance='params'")
-                return None
-            raise ConfigError(f"unknown pipeline balance {balance!r}; expected 'params', 'time' or a list of counts")
-
-        # The same checks on every rank: a bad configuration fails everywhere alike.
-        self.bounds = all_or_none(check, grid.comm)
-        if self.bounds is None:
-            layers = stack.layers() if stack is not None else [layer for _, layer in named]
-            self.bounds = self._balance_by_time(layers, sample)
-        start, stop = self.bounds[self.stage]
-
-        def build():
-            if stack is not None:
-                stage = stack.sequential(start, stop)
-            else:
-                stage = nn.Sequential(OrderedDict(named[start:stop]))
-            if grid.layout.tensor > 1:
-                from .tensor import tensor_parallelize
-
-                stage = tensor_parallelize(stage, grid.tp_comm)
-            return stage
-
-        # A layer that cannot be split over the tensor ranks lives on one stage: all ranks hear of it.
-        self.module = all_or_none(build, grid.comm)
+    def __init__(self, comm):
+        self.comm = comm
         self._pending = []
 
-    def _balance_by_time(self, layers, sample):
-        from ..coordination import on_root
-
-        times = measure_times(layers, sample)
-        everyone = self.grid.comm.gather(times, root=0)
-        # Rank 0 decides from the mean of all ranks' timings, so every rank gets one answer.
-        return on_root(lambda: partition(list(np.mean(everyone, axis=0)), self.stages), self.grid.comm)
-
-    def layer_names(self):
-        return [name for name, _ in self.module.named_children()]
-
-    # -- point-to-point
-
-    def _device(self):
-        for p in self.module.parameters():
-            return p.device
-        return torch.device("cpu")
-
-    def _send(self, tensor, dest, tag):
+    def send(self, tensor, dest, tag):
         from mpi4py import MPI
 
         t = tensor.detach()
@@ -237,13 +177,12 @@ class Pipeline:
         header = np.zeros(HEADER_LEN, dtype=np.int64)
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
         header[2:2 + t.dim()] = t.shape
-        # Through host memory: no CUDA-aware MPI is assumed.
         host = t.to("cpu", copy=True).contiguous()
         raw = host.reshape(-1).view(torch.uint8).numpy()
         self._pending.append((self.comm.Isend(header, dest=dest, tag=tag), header, host))
         self._pending.append((self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=tag), raw, host))
 
-    def _recv(self, source, tag):
+    def recv(self, source, tag, device):
         from mpi4py import MPI
 
         header = np.empty(HEADER_LEN, dtype=np.int64)
@@ -251,16 +190,77 @@ class Pipeline:
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         host = torch.empty(tuple(int(d) for d in header[2:2 + ndim]), dtype=dtype)
         self.comm.Recv([host.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE], source=source, tag=tag)
-        return host.to(self._device())
+        return host.to(device)
 
-    def _wait_sends(self):
+    def wait_sends(self):
         from mpi4py import MPI
 
         if self._pending:
             MPI.Request.Waitall([req for req, _, _ in self._pending])
         self._pending = []
 
-    # -- steps
+
+# ---------------------------------------------------------------- the pipeline
+
+class Pipeline:
+    """This rank's stage of a pipeline over ``grid.pp_comm``.
+
+    ``model``: ``nn.Sequential`` or list of layers, the same on every rank (build it with
+    one seed everywhere; only this stage's layers are kept), or a
+    :class:`~hpctrain.models.stack.LayerStack`, of which every rank builds only its stage's layers.
+    ``loss_fn(output, target)`` runs on the last stage and should average over samples.
+    ``balance``: ``"params"`` (parameter count), ``"time"`` (measured on ``sample``, a micro-batch
+    of inputs) or a list of layers per stage. With ``grid.layout.tensor > 1`` the stage's MLP and
+    attention blocks are split over ``grid.tp_comm`` (:func:`~.tensor.tensor_parallelize`).
+
+    ``module`` is this stage's ``nn.Sequential``; its parameter names are the full model's.
+    """
+
+    def __init__(self, model, grid, loss_fn=None, micro_batches=1, schedule="1f1b", balance="params",
+                 sample=None):
+        from ..runtime.coordination import all_or_none
+
+        self.grid = grid
+        self.link = StageLink(grid.pp_comm)
+        self.stages = grid.layout.stages
+        self.stage = grid.stage
+        self.loss_fn = loss_fn
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        # A LayerStack is built lazily: only this stage's layers ever exist on this rank.
+        stack = model if isinstance(model, LayerStack) else None
+        named = [(name, None) for name in stack.names] if stack is not None else layer_list(model)
+        # The same checks on every rank: a bad configuration fails everywhere alike.
+        self.bounds = all_or_none(
+            lambda: stage_bounds(named, stack, self.stages, micro_batches, schedule, balance, sample), grid.comm)
+        if self.bounds is None:
+            layers = stack.layers() if stack is not None else [layer for _, layer in named]
+            self.bounds = self._balance_by_time(layers, sample)
+        start, stop = self.bounds[self.stage]
+
+        def build():
+            stage = stack.sequential(start, stop) if stack is not None else nn.Sequential(OrderedDict(named[start:stop]))
+            if grid.layout.tensor > 1:
+                from .tensor import tensor_parallelize
+
+                stage = tensor_parallelize(stage, grid.tp_comm)
+            return stage
+
+        # A layer that cannot be split over the tensor ranks lives on one stage: all ranks hear of it.
+        self.module = all_or_none(build, grid.comm)
+
+    def _balance_by_time(self, layers, sample):
+        from ..runtime.coordination import on_root
+
+        times = measure_times(layers, sample)
+        everyone = self.grid.comm.gather(times, root=0)
+        # Rank 0 decides from the mean of all ranks' timings, so every rank gets one answer.
+        return on_root(lambda: partition(list(np.mean(everyone, axis=0)), self.stages), self.grid.comm)
+
+    def _device(self):
+        for p in self.module.parameters():
+            return p.device
+        return torch.device("cpu")
 
     def _chunks(self, tensor, what):
         if tensor is None:
@@ -275,58 +275,58 @@ class Pipeline:
         """Forward and backward passes of one batch; gradients accumulate in ``module``'s
         parameters (as ``loss.backward()`` would). Returns the batch's mean loss on every
         stage. ``inputs`` is used on the first stage, ``targets`` on the last."""
-        first, last = self.stage == 0, self.stage == self.stages - 1
+        first, last = self.grid.is_first_stage, self.grid.is_last_stage
         if last and self.loss_fn is None:
             raise ConfigError("the last pipeline stage needs a loss_fn")
         xs = self._chunks(inputs, "inputs") if first else None
         ys = self._chunks(targets, "targets") if last else None
         total = len(targets) if last else 0
         stash, loss_sum = {}, 0.0
-        prev, nxt = self.stage - 1, self.stage + 1
+        prev, nxt, device = self.stage - 1, self.stage + 1, self._device()
         try:
             for op, m in schedule_ops(self.schedule, self.stage, self.stages, self.micro_batches):
                 fwd_tag, bwd_tag = 2 * m, 2 * m + 1
                 if op == "F":
-                    x = xs[m] if first else self._recv(prev, fwd_tag).requires_grad_()
+                    x = xs[m] if first else self.link.recv(prev, fwd_tag, device).requires_grad_()
                     out = self.module(x)
                     if last:
                         # Weighted by micro-batch size: the sum is the whole batch's mean loss.
                         out = self.loss_fn(out, ys[m]) * (len(ys[m]) / total)
                         loss_sum += float(out.detach())
                     else:
-                        self._send(out, nxt, fwd_tag)
+                        self.link.send(out, nxt, fwd_tag)
                     stash[m] = (x, out)
                 else:
                     x, out = stash.pop(m)
                     if last:
                         out.backward()
                     else:
-                        grad = self._recv(nxt, bwd_tag)
+                        grad = self.link.recv(nxt, bwd_tag, device)
                         if out.requires_grad:
                             torch.autograd.backward(out, grad)
                     if not first:
-                        self._send(x.grad if x.grad is not None else torch.zeros_like(x), prev, bwd_tag)
+                        self.link.send(x.grad if x.grad is not None else torch.zeros_like(x), prev, bwd_tag)
         finally:
-            self._wait_sends()
-        return self.comm.bcast(loss_sum, root=self.stages - 1)
+            self.link.wait_sends()
+        return self.grid.pp_comm.bcast(loss_sum, root=self.stages - 1)
 
     @torch.no_grad()
     def forward(self, inputs=None):
         """Forward pass only (evaluation), in micro-batches. Returns the model's output on
         the last stage and None elsewhere."""
-        first, last = self.stage == 0, self.stage == self.stages - 1
+        first, last = self.grid.is_first_stage, self.grid.is_last_stage
         xs = self._chunks(inputs, "inputs") if first else None
-        outs = []
+        outs, device = [], self._device()
         try:
             for m in range(self.micro_batches):
-                x = xs[m] if first else self._recv(self.stage - 1, 2 * m)
+                x = xs[m] if first else self.link.recv(self.stage - 1, 2 * m, device)
                 out = self.module(x)
                 if last:
                     outs.append(out)
                 else:
-                    self._send(out, self.stage + 1, 2 * m)
+                    self.link.send(out, self.stage + 1, 2 * m)
         finally:
-            self._wait_sends()
+            self.link.wait_sends()
         return torch.cat(outs) if last else None
 
     def describe(self):

@@ -35,20 +35,13 @@ Its tensors (``checkpoint_tensors``/``restore_tensors``) are part of every check
 """
 import logging
 
-from ..coordination import everywhere
+from ..runtime.coordination import everywhere
 from ..errors import HpctrainError
-from ..flat import views
-from ..replicas import divergent_ranks, first_difference, model_fingerprints
+from ..runtime.flat import views
+from ..runtime.replicas import ReplicasDiverged, compare_replicas
 from . import nonfinite
 
 log = logging.getLogger("hpctrain")
-
-MODES = ("sync", "local_sgd", "stale")
-OUTER_OPTIMIZERS = ("none", "nesterov")
-
-
-class ReplicasDiverged(HpctrainError):
-    """After an averaging, the ranks' parameters were not bitwise equal."""
 
 
 def build(comm_cfg, backend, model):
@@ -62,17 +55,14 @@ def build(comm_cfg, backend, model):
 
 
 def check_replicas(model, comm, after):
-    """Collective: every rank's fingerprints; raise the same :class:`ReplicasDiverged` on every
-    rank, naming the ranks that differ, when they are not one model."""
-    if comm.Get_size() == 1:
-        return
-    prints = comm.allgather(model_fingerprints(model))
-    reference, diverged = divergent_ranks(prints)
-    if diverged:
-        first = first_difference(list(model.state_dict()), prints[reference[0]], prints[diverged[0]])
+    """Collective: raise the same :class:`ReplicasDiverged` on every rank, naming the ranks that
+    differ, when they are not one model."""
+    found = compare_replicas(model, comm)
+    if found is not None:
+        _, (diverged, reference), first = found
         raise everywhere(ReplicasDiverged(
             f"after {after}, ranks {', '.join(map(str, diverged))} hold parameters that differ from rank "
-            f"{reference[0]}'s (first differing: {first})",
+            f"{reference}'s (first differing: {first})",
             hint="the averaging gave ranks different results: check that every rank runs the same MPI and "
                  "Horovod build, or set comm.mode=sync"))
 

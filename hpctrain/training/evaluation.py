@@ -65,3 +65,19 @@ def means(totals):
     """``{"val_<name>": sum / count}``; loss first, then accuracy, then the rest by name."""
     order = sorted(totals, key=lambda k: ({"loss": 0, "accuracy": 1}.get(k, 2), k))
     return {f"val_{name}": (totals[name][0] / totals[name][1] if totals[name][1] else math.nan) for name in order}
+
+
+def evaluate(run):
+    """Collective: the whole validation set scored, each rank its part (``run.steps``); the
+    means in ``run.metrics``, told to the callbacks (``on_eval``); returns them."""
+    from ..job.watchdog import watching
+
+    t = run.cfg.train
+    with watching(f"evaluation at step {run.state.progress.step}"):
+        totals = run.steps.eval_totals(run, t.eval_batch_size or t.batch_size)
+        # Sums, not per-rank means: ranks may hold different numbers of samples. Added in rank
+        # order on every rank, so all report the same numbers.
+        run.metrics = means(combine(run.world.comm.allgather(totals)))
+        run.evaluated_at = run.state.progress.step
+        run.tell("on_eval", run.state, run.metrics)
+    return run.metrics

@@ -7,13 +7,16 @@ everywhere without another collective. A bad step is never applied; then, as
 ``rollback`` to the newest checkpoint with the learning rate times ``rollback_lr_factor``
 (up to ``max_rollbacks``), or ``stop``; ``auto`` skips, then rolls back, then stops.
 """
-from ..errors import HpctrainError
+from ..errors import EXIT_DIVERGED, HpctrainError
+from ..job.watchdog import watching
+from ..runtime.coordination import everywhere
+from .run import ROLLED_BACK
 
 
 class NonFiniteError(HpctrainError):
     """Training stopped because the averaged gradients were not finite (``train.on_nonfinite``)."""
 
-    exit_code = 5
+    exit_code = EXIT_DIVERGED
 
 
 # Kept in Progress.extra, so in every checkpoint: how often this run rolled back, and the
@@ -74,3 +77,47 @@ def choose_action(t, skips, rollbacks, can_roll_back):
     if t.on_nonfinite in ("auto", "rollback") and can_roll_back and rollbacks < t.max_rollbacks:
         return "rollback"
     return "stop"
+
+
+def handle(run, tensor):
+    """The averaged gradients of the step just taken were not finite (the same verdict on
+    every rank: they hold the same averaged gradients); its update was not applied. Skip,
+    roll back (returns ROLLED_BACK) or raise :class:`NonFiniteError`, as
+    ``train.on_nonfinite`` says. ``tensor``: the first parameter whose gradient is not finite."""
+    t, progress = run.cfg.train, run.state.progress
+    step = progress.step + 1
+    run.skips += 1
+    rollbacks = progress.extra.get(ROLLBACKS, 0)
+    policy = t.on_nonfinite
+    can_roll_back = hasattr(run.checkpoints, "load_latest")
+    action = choose_action(t, run.skips, rollbacks, can_roll_back)
+    event = {"step": step, "action": action, "tensor": tensor, "policy": policy,
+             "consecutive": run.skips, "rollbacks": rollbacks}
+    if action == "rollback":
+        factor = progress.extra.get(LR_FACTOR, 1.0) * t.rollback_lr_factor
+        with watching(f"rollback to the newest checkpoint after step {step}"):
+            path = run.checkpoints.load_latest(run.state)
+        if path is not None:
+            progress = run.state.progress
+            # The run's own history, not the checkpoint's: kept across later resumes.
+            progress.extra.update({ROLLBACKS: rollbacks + 1, LR_FACTOR: factor})
+            run.sampler.seed = progress.seed
+            run.skips, run.evaluated_at = 0, None
+            event.update(rollbacks=rollbacks + 1, to_step=progress.step, lr_factor=factor, path=path)
+            _tell(run, event)
+            return ROLLED_BACK
+        action = event["action"] = "stop"
+        event["why"] = "no checkpoint of this run to roll back to"
+    elif action == "stop" and policy in ("auto", "rollback") and not can_roll_back \
+            and rollbacks < t.max_rollbacks and (policy == "rollback" or run.skips > t.max_nonfinite_skips):
+        event["why"] = "no checkpoints to roll back to (the trainer's checkpoints have no load_latest)"
+    _tell(run, event)
+    if action == "skip":
+        return None
+    # Every rank reached the same verdict on the same gradients: all raise it alike.
+    raise everywhere(NonFiniteError(stop_message(step, tensor, t, event), hint=stop_hint(run.checkpoints)))
+
+
+def _tell(run, event):
+    with watching(f"callbacks (non-finite step {event['step']})"):
+        run.tell("on_nonfinite", run.state, dict(event))

@@ -4,7 +4,7 @@ import time
 
 from mpi4py import MPI
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 
 comm = MPI.COMM_WORLD
 failing = int(sys.argv[1])

@@ -3,6 +3,7 @@ import dataclasses
 import os
 import sys
 
+import h5py
 import torch
 from torch import nn
 
@@ -11,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hpctrain.config import CheckpointConfig  # noqa: E402
 from hpctrain.errors import CheckpointError  # noqa: E402
 from hpctrain.state import Progress, TrainState  # noqa: E402
-from hpctrain.world import init_world  # noqa: E402
+from hpctrain.runtime.world import init_world  # noqa: E402
 
 
 class Mixed(nn.Module):
@@ -39,6 +40,17 @@ class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.randn(3, 3))
+
+
+def flip_byte(path, dataset, where=10):
+    """Invert one byte of ``dataset``'s data in the file, as a bit flip on disk would."""
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset + where)
+        byte = f.read(1)
+        f.seek(offset + where)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def make_state(seed=0, hidden=16, tiny=False, lr=0.01):

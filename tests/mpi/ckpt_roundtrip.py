@@ -14,7 +14,7 @@ import torch
 
 import ckpt_common as cc
 from hpctrain.checkpoint import CheckpointManager
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 
 
 def main(argv):

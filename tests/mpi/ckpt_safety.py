@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 import ckpt_common as cc
-from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
-from hpctrain import fsutil
+from ckpt_common import expect_error, flip_byte, fresh_dir, read_latest, root_only, say
+from hpctrain.runtime import fsutil
 from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
 from hpctrain.checkpoint import format as fmt
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 
 W = None  # the World (also cc.W, which the shared helpers read)
 OPTS = cc.OPTS
@@ -32,16 +32,6 @@ OPTS = cc.OPTS
 
 def ckpts(d):
     return sorted(f for f in os.listdir(d) if f.startswith("ckpt-") and f.endswith(".h5"))
-
-
-def flip_byte(path, dataset, where=10):
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset()
-    with open(path, "r+b") as f:
-        f.seek(offset + where)
-        byte = f.read(1)
-        f.seek(offset + where)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def train_and_save(mgr, state, steps):

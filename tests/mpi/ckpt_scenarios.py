@@ -6,6 +6,7 @@ Every scenario prints ``RANK r <scenario> OK ...`` on every rank when it behaved
 and every expected error as ``RANK r <scenario> ERROR: <message>``, so the test can check
 each rank's output. ``exit_corrupt`` lets the error end the job (non-zero exit status).
 """
+import errno
 import glob
 import os
 import sys
@@ -17,8 +18,9 @@ import torch
 
 import ckpt_common as cc
 from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
-from hpctrain.checkpoint import CheckpointManager, load_checkpoint, manager, reader, verify_checkpoint, writer
-from hpctrain.coordination import abort_on_exception
+from hpctrain.checkpoint import (CheckpointManager, background, commit, load_checkpoint, reader, verify_checkpoint,
+                                 writer)
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.errors import CheckpointError
 
 W = None  # the World (also cc.W, which the shared helpers read)
@@ -60,16 +62,28 @@ def retention():
     say("retention", f"OK kept {' '.join(kept)}")
 
 
+def failing_write(rank, path):
+    """``writer.region_to_write`` (the writer's seam) failing rank ``rank``'s write of dataset
+    ``path`` as a full disk would, owner of a piece or not; the rank still takes part."""
+    real = writer.region_to_write
+
+    def region_to_write(d, r):
+        if r == rank and d.path == path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(d, r)
+    return region_to_write
+
+
 def latest_failure():
     d = fresh_dir("latest_failure")
     mgr, state = saved_state(d, [1])
-    writer.FAULT = {"rank": 1, "path": "model/fc1.weight"}
+    real, writer.region_to_write = writer.region_to_write, failing_write(1, "model/fc1.weight")
     state.progress.step = 2
     try:
         expect_error("latest_failure", lambda: mgr.save(state), "model/fc1.weight", "ckpt-00000002.h5.tmp-",
                      "rank 1")
     finally:
-        writer.FAULT = None
+        writer.region_to_write = real
     W.comm.Barrier()
     assert read_latest(d) == "ckpt-00000001.h5"
     assert files(d) == ["ckpt-00000001.h5", "latest"], files(d)  # no temp file left behind
@@ -86,13 +100,13 @@ def async_failure():
     mgr, state = saved_state(d, [1], cfg=cc.config(async_save=True))
     mgr.wait()
     call_bytes, writer.CALL_BYTES = writer.CALL_BYTES, 64 << 10  # several calls per large dataset
-    writer.FAULT = {"rank": 1, "path": "model/fc1.weight"}
+    real, writer.region_to_write = writer.region_to_write, failing_write(1, "model/fc1.weight")
     state.progress.step = 2
     try:
         mgr.save(state)
         expect_error("async_failure", mgr.wait, "model/fc1.weight", "ckpt-00000002.h5.tmp-", "rank 1")
     finally:
-        writer.FAULT = None
+        writer.region_to_write = real
         writer.CALL_BYTES = call_bytes
     W.comm.Barrier()
     assert read_latest(d) == "ckpt-00000001.h5"
@@ -113,22 +127,22 @@ def async_same():
     sync.save(state, metrics={"val_loss": 1.0})
     backgr = CheckpointManager(d_async, W, cc.config(async_save=True), {"x": 1})
     call_bytes, writer.CALL_BYTES = writer.CALL_BYTES, 64 << 10  # many independent calls per large dataset
-    real_write, niceness = manager.write_verified, []
+    real_write, niceness = commit.write_verified, []
 
     def write_verified(*args, **kwargs):  # the writer runs below the training's priority
         niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return real_write(*args, **kwargs)
 
-    manager.write_verified = write_verified
+    commit.write_verified = write_verified
     try:
         backgr.save(state, metrics={"val_loss": 1.0})
         cc.step_once(state, 5)  # training goes on (and changes every tensor) while it writes
         backgr.close()
     finally:
         writer.CALL_BYTES = call_bytes
-        manager.write_verified = real_write
+        commit.write_verified = real_write
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert niceness == [mine + manager.WRITER_NICE], (niceness, mine)
+    assert niceness == [mine + background.WRITER_NICE], (niceness, mine)
     if W.rank == 0:
         a, b = (h5py.File(os.path.join(x, "ckpt-00000005.h5"), "r") for x in (d_sync, d_async))
         volatile = {"created", "created_unix", "metadata_crc32"}  # the checksum covers the time
@@ -149,21 +163,11 @@ def async_same():
     say("async_same", "OK async file equals sync file")
 
 
-def _flip_byte(path, dataset, where=10):
-    with h5py.File(path, "r") as f:
-        offset = f[dataset].id.get_offset()
-    with open(path, "r+b") as f:
-        f.seek(offset + where)
-        byte = f.read(1)
-        f.seek(offset + where)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def corrupt_fallback():
     d = fresh_dir("corrupt")
     _, saved = saved_state(d, [1, 2])
     bad = os.path.join(d, "ckpt-00000002.h5")
-    root_only(lambda: _flip_byte(bad, "model/fc1.weight"))
+    root_only(lambda: cc.flip_byte(bad, "model/fc1.weight"))
     problems = verify_checkpoint(bad)
     assert problems and "/model/fc1.weight" in problems[0], problems
     state = cc.make_state(seed=8)
@@ -327,7 +331,7 @@ def exit_corrupt():
     d = fresh_dir("exit")
     saved_state(d, [1])
     bad = os.path.join(d, "ckpt-00000001.h5")
-    root_only(lambda: _flip_byte(bad, "optimizer/state/embed.weight/exp_avg", where=4000))
+    root_only(lambda: cc.flip_byte(bad, "optimizer/state/embed.weight/exp_avg", where=4000))
     state = cc.make_state(seed=8)
     try:
         load_checkpoint(bad, state, W.comm)

@@ -71,7 +71,7 @@ def main(argv):
     if stop_at is not None:
         trainer.stop_requested = lambda: trainer.state.progress.step >= stop_at
     result = trainer.fit()
-    mode = trainer.state.comm
+    mode = trainer.state.comm_mode
     params = {f"p{i}": p.detach().cpu().numpy() for i, p in enumerate(trainer.state.model.parameters())}
     np.savez(os.path.join(out, f"rank{trainer.world.rank}.npz"), prints=np.array(record.prints, dtype=np.int64),
              steps=np.array(trainer.state.progress.step), applied=np.array(getattr(mode, "applied", -1)),

@@ -2,7 +2,7 @@
 
 from mpi4py import MPI
 
-from hpctrain.coordination import all_or_none, any_rank, on_root, raise_if_any
+from hpctrain.runtime.coordination import all_or_none, any_rank, on_root, raise_if_any
 from hpctrain.errors import ConfigError, RemoteError
 
 comm = MPI.COMM_WORLD

@@ -13,7 +13,7 @@ import time
 
 from mpi4py import MPI
 
-from hpctrain.coordination import abort_on_exception, everywhere, on_root
+from hpctrain.runtime.coordination import abort_on_exception, everywhere, on_root
 from hpctrain.errors import ConfigError
 
 

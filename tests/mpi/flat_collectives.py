@@ -12,7 +12,7 @@ import sys
 import torch
 
 from hpctrain.backends import get_backend
-from hpctrain.world import init_world
+from hpctrain.runtime.world import init_world
 
 
 def main(backend_name):
@@ -44,7 +44,7 @@ def main(backend_name):
 if __name__ == "__main__":
     from mpi4py import MPI
 
-    from hpctrain.coordination import abort_on_exception
+    from hpctrain.runtime.coordination import abort_on_exception
 
     with abort_on_exception(MPI.COMM_WORLD):
         main(sys.argv[1])

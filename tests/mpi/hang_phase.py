@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from hpctrain import ArrayDataset, Trainer, load_config
-from hpctrain.checkpoint import manager
+from hpctrain.checkpoint import commit, manager
 
 out, phase, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 
@@ -46,14 +46,14 @@ if phase == "evaluation":
     val = StuckVal(val.x, val.y)
 elif phase == "background-save":
     overrides += ["checkpoint.async_save=true"]
-    write_verified = manager.write_verified
+    write_verified = commit.write_verified
 
     def write_verified_stuck(plan, info, comm, parallel, verify, background=False):
         if background and comm.Get_rank() == 1:
             stuck("the background checkpoint writer")
         return write_verified(plan, info, comm, parallel, verify, background=background)
 
-    manager.write_verified = write_verified_stuck
+    commit.write_verified = write_verified_stuck
 elif phase == "resume":
     resume = manager.CheckpointManager.resume
 

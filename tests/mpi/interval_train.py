@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_tiny import synthetic  # noqa: E402
 
 from hpctrain import Trainer, load_config  # noqa: E402
-from hpctrain.checkpoint import manager  # noqa: E402
+from hpctrain.checkpoint import commit  # noqa: E402
 
 
 class Record:
@@ -42,7 +42,7 @@ def slow(function, seconds):
 
 def main(argv):
     out, save_sleep, step_sleep, argv = argv[0], float(argv[1]), float(argv[2]), argv[3:]
-    manager.write_verified = slow(manager.write_verified, save_sleep)
+    commit.write_verified = slow(commit.write_verified, save_sleep)
     cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
                              "train.batch_size=8", "train.lr=0.05", "train.epochs=1000", "monitor.log_every=100",
                              "monitor.progress=log", "checkpoint.on_epoch_end=false", "checkpoint.on_finish=false",

@@ -13,7 +13,7 @@ import sys
 if sys.argv[1:] == ["mpi-first"]:
     from mpi4py import MPI  # noqa: F401  (starts MPI before hpctrain can set anything)
 
-from hpctrain.world import init_world, mpi_settings
+from hpctrain.runtime.world import init_world, mpi_settings
 
 
 def open_mpi_variable(name):

@@ -8,7 +8,7 @@ import json
 import socket
 import sys
 
-from hpctrain.world import init_world
+from hpctrain.runtime.world import init_world
 
 world = init_world()
 comm = world.comm

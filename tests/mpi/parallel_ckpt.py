@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.parallel import HybridParallel, Layout, gather_state
 from hpctrain.state import Progress
 

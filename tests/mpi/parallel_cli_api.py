@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from hpctrain.config import load_config
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.data import ShardSampler, open_splits
 from hpctrain.parallel import HybridParallel, Layout
-from hpctrain.parallel.strategy import model_stack
+from hpctrain.training.split import model_stack
 from hpctrain.state import Progress
 
 

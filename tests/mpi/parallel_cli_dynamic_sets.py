@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from hpctrain.backends import get_backend
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.parallel import HybridParallel, Layout
-from hpctrain.world import init_world
+from hpctrain.runtime.world import init_world
 
 
 def main():

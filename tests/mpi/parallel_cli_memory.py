@@ -13,10 +13,10 @@ Prints ``RANK r UNDER LIMIT ...`` and ``RANK r WHOLE MODEL OVER LIMIT``.
 import torch
 from torch import nn
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.monitoring.timing import peak_rss_bytes as peak_rss
 from hpctrain.parallel import HybridParallel, Layout
-from hpctrain.parallel.stack import LayerStack
+from hpctrain.models.stack import LayerStack
 
 WIDTH, LAYERS = 1536, 8
 MIB = 2 ** 20

@@ -8,10 +8,10 @@ Exits 3 (as ``hpctrain train`` does when stopped) after the trainer saved and st
 import sys
 
 from hpctrain.config import load_config
-from hpctrain.coordination import abort_on_exception
-from hpctrain.training.command import STOP_EXIT_CODE
+from hpctrain.runtime.coordination import abort_on_exception
+from hpctrain.job.preemption import EXIT_PREEMPTED
 from hpctrain.training.trainer import Trainer
-from hpctrain.world import init_world
+from hpctrain.runtime.world import init_world
 
 
 def main(stop_after, config, overrides):
@@ -21,7 +21,7 @@ def main(stop_after, config, overrides):
                           stop_requested=lambda: trainer.state.progress.step >= stop_after)
         result = trainer.fit()
     print(f"RANK {world.rank} STOPPED {result.stopped} AT {result.steps}", flush=True)
-    return STOP_EXIT_CODE if result.stopped else 0
+    return EXIT_PREEMPTED if result.stopped else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.parallel import HybridParallel, Layout
 from hpctrain.parallel.tensor import MLPBlock
 

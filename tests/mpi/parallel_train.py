@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch import nn
 
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.parallel import HybridParallel, Layout
 from hpctrain.parallel.tensor import shard_dims
 

@@ -81,7 +81,7 @@ def main(out, backend):
 if __name__ == "__main__":
     from mpi4py import MPI
 
-    from hpctrain.coordination import abort_on_exception
+    from hpctrain.runtime.coordination import abort_on_exception
 
     with abort_on_exception(MPI.COMM_WORLD):
         main(*sys.argv[1:])

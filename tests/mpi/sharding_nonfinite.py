@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hpctrain import ArrayDataset, Trainer, load_config
+from hpctrain.training import trainer as trainer_module
 
 BAD_STEP = 5
 
@@ -45,15 +46,15 @@ def main(out, overrides):
             return grad * float("nan")
         return grad
 
-    original = Trainer._set_up
+    original = trainer_module.set_up
 
-    def set_up(self, local):
-        run = original(self, local)
+    def set_up(fitting, local):
+        run = original(fitting, local)
         last_bias = list(run.state.model.parameters())[-1]  # in the last rank's slice
         last_bias.register_hook(poison)
         return run
 
-    Trainer._set_up = set_up
+    trainer_module.set_up = set_up
     trainer.fit()
     np.savez(os.path.join(out, f"rank{trainer.world.rank}.npz"), params=np.stack(record.params),
              steps=np.array(record.steps))

@@ -9,12 +9,12 @@ import sys
 from hpctrain.backends import get_backend
 from hpctrain.checkpoint import load_checkpoint, save_checkpoint
 from hpctrain.config import load_config
-from hpctrain.coordination import abort_on_exception
+from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.models import build_model
-from hpctrain.sharding import ShardedOptimizer
+from hpctrain.training.sharding import ShardedOptimizer
 from hpctrain.state import Progress, TrainState
-from hpctrain.training.trainer import _make_optimizer
-from hpctrain.world import init_world
+from hpctrain.training.optimizers import make_optimizer
+from hpctrain.runtime.world import init_world
 
 
 def main(src, dst, shard, backend_name="horovod"):
@@ -22,7 +22,7 @@ def main(src, dst, shard, backend_name="horovod"):
     cfg = load_config(None, ["model.in_features=8", "model.hidden=24", "model.depth=2", "model.num_classes=4",
                              "train.optimizer=adamw"])
     model = build_model(cfg.model)
-    optimizer = _make_optimizer(model, cfg.train, 0.01)
+    optimizer = make_optimizer(model, cfg.train, 0.01)
     if shard != "none":
         optimizer = ShardedOptimizer(optimizer, model, get_backend(backend_name, world), shard)
     state = TrainState(model, optimizer, Progress())

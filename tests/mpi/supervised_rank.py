@@ -43,9 +43,9 @@ def install():
     marker = os.environ.get("SUPERVISED_MARKER")
     order_dir = os.environ.get("SUPERVISED_ORDER")
     step_sleep = float(os.environ.get("SUPERVISED_STEP_SLEEP") or 0)
-    original = trainer.Trainer._train_step
+    original = trainer._train_step
 
-    def _train_step(self, run, micro_batches):
+    def _train_step(run, micro_batches):
         step = run.state.progress.step + 1
         if kill_step and step == kill_step and run.world.rank == kill_rank:
             if not marker or not os.path.exists(marker):
@@ -66,9 +66,9 @@ def install():
                                 "size": run.world.size, "samples": samples}) + "\n")
         if step_sleep:
             time.sleep(step_sleep)
-        return original(self, run, micro_batches)
+        return original(run, micro_batches)
 
-    trainer.Trainer._train_step = _train_step
+    trainer._train_step = _train_step
 
 
 def main():

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from hpctrain import ArrayDataset, HpctrainError, Trainer, load_config
-from hpctrain.world import init_world
+from hpctrain.runtime.world import init_world
 
 
 def main(overrides):

@@ -38,18 +38,17 @@ to within one row.
 import math
 import weakref
 
-from .errors import ConfigError
-from .flat import views
+from ..config.schema import SHARD_MODES, SHARD_REDUCTIONS
+from ..config.validation import check_choice
+from ..errors import ConfigError
+from ..runtime.flat import views
 
-MODES = ("none", "optimizer", "gradients")
-REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
 BUCKET_BYTES = 25 * 2 ** 20  # an all-reduce bucket (DDP's default size): large enough to be efficient
 
 
 def resolve_reduction(reduction, device):
     """``"allreduce"`` or ``"reduce_scatter"`` for ``comm.shard_reduce`` on ``device``."""
-    if reduction not in REDUCTIONS:
-        raise ConfigError(f"comm.shard_reduce = {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    check_choice("comm.shard_reduce", reduction, SHARD_REDUCTIONS)
     if reduction == "auto":
         return "reduce_scatter" if getattr(device, "type", str(device)) == "cuda" else "allreduce"
     return reduction
@@ -159,8 +158,7 @@ class ShardedOptimizer:
         import torch
 
         check_supported(optimizer, model)
-        if stage not in MODES[1:]:
-            raise ConfigError(f"comm.shard = {stage!r} is not one of {', '.join(MODES)}")
+        check_choice("comm.shard", stage, SHARD_MODES[1:])
         self.backend, self.model, self.stage = backend, model, stage
         self.accumulation = max(1, int(accumulation))
         self.rank, self.size = backend.rank, backend.size

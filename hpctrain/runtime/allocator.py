@@ -21,6 +21,7 @@ import contextlib
 import os
 import platform
 
+from .. import settings
 from .system import libc
 
 MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap, and are reused
@@ -32,10 +33,11 @@ _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 _done = None
 
 
-def why_not(environ=None):
-    """Why the allocator is left as it is (a sentence), or None to tune it (pure but for ``platform``)."""
+def why_not(environ=None, malloc=None):
+    """Why the allocator is left as it is (a sentence), or None to tune it (pure but for ``platform``).
+    ``malloc``: what ``HPCTRAIN_MALLOC`` says (default: read it)."""
     env = os.environ if environ is None else environ
-    if env.get("HPCTRAIN_MALLOC", "") != "reuse":
+    if (settings.get("MALLOC", "", environ=env) if malloc is None else malloc) != "reuse":
         return "glibc's defaults; HPCTRAIN_MALLOC=reuse keeps large blocks for reuse: faster, more memory"
     own = [k for k in _USERS_OWN if k in env]
     if own:
@@ -78,7 +80,7 @@ def reusing_large_blocks(environ=None):
     0.50-0.51 s and 0.27-0.31 s with it), without keeping the memory afterwards."""
     env = os.environ if environ is None else environ
     own = _done is not None and _done.startswith("malloc keeps")  # already reusing: nothing to undo
-    reason = why_not({**env, "HPCTRAIN_MALLOC": "reuse"})
+    reason = why_not(env, malloc="reuse")
     if own or reason is not None:
         yield
         return

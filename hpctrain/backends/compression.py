@@ -11,9 +11,8 @@ A compressor is stateless: ``compress(t) -> (wire, ctx)`` and ``decompress(wire,
 The Horovod backend uses Horovod's own compressors (``hvd.Compression``), chosen by the
 same names.
 """
-from .errors import ConfigError
-
-NAMES = ("none", "fp16")
+from ..config.schema import COMPRESSIONS
+from ..errors import ConfigError
 
 
 class NoneCompressor:
@@ -60,5 +59,5 @@ def get_compressor(name):
     try:
         return _COMPRESSORS[name]
     except KeyError:
-        raise ConfigError(f"unknown compression {name!r}; expected one of {', '.join(NAMES)}",
+        raise ConfigError(f"unknown compression {name!r}; expected one of {', '.join(COMPRESSIONS)}",
                           hint='set comm.compression = "none" or "fp16"') from None

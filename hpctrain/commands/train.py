@@ -1,4 +1,4 @@
-"""``hpctrain train CONFIG [section.key=value ...]``, also ``python -m hpctrain.training.command``.
+"""``hpctrain train CONFIG [section.key=value ...]``, also ``python -m hpctrain.commands.train``.
 
     mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32
 """
@@ -6,13 +6,9 @@ import argparse
 import sys
 
 from ..config import load_config
-from ..coordination import abort_on_exception, all_or_none
 from ..job import preemption
-from .trainer import Trainer
-
-# Exit status of `hpctrain train` when it stopped because a stop was requested (after saving):
-# the job script requeues the job on it.
-STOP_EXIT_CODE = preemption.EXIT_PREEMPTED
+from ..runtime.coordination import abort_on_exception, all_or_none
+from ..training.trainer import Trainer
 
 
 def main(argv=None):
@@ -28,7 +24,7 @@ def main(argv=None):
                         help="override a configuration value, e.g. train.lr=0.05")
     args = parser.parse_args(argv)
 
-    from ..world import init_world
+    from ..runtime.world import init_world  # after the parser: `--help` without torch or MPI
 
     with abort_on_exception(None):  # before MPI there is no job to abort
         world = init_world()
@@ -38,7 +34,8 @@ def main(argv=None):
         result = Trainer(cfg, world=world, stop_requested=preemption.stop_requested).fit()
     if world.is_root:
         print(f"run directory: {result.run_dir}", flush=True)
-    return STOP_EXIT_CODE if result.stopped else 0
+    # a requested stop (after saving) exits 3: the job script requeues the job on it
+    return preemption.EXIT_PREEMPTED if result.stopped else 0
 
 
 if __name__ == "__main__":

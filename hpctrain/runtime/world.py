@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .errors import LaunchError
+from ..errors import LaunchError
+from . import slurm
 from .system import usable_cpus
 
 
@@ -34,38 +35,21 @@ class LaunchInfo:
     slurm_node: Optional[str] = None
 
 
-def _int(env, *names):
-    for name in names:
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value.split("(")[0])
-            except ValueError:
-                pass
-    return None
-
-
 def launch_info(environ=None):
     """Read the launcher from the environment (pure: no MPI, no imports)."""
     env = os.environ if environ is None else environ
-    slurm = dict(
-        slurm_job_id=env.get("SLURM_JOB_ID"),
-        slurm_ntasks=_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-        slurm_nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST"),
-        slurm_node=env.get("SLURMD_NODENAME"),
-    )
+    job = slurm.environment(env)
     # mpirun (Open MPI) sets OMPI_COMM_WORLD_*; MPICH's hydra sets PMI_*. Inside a Slurm
     # allocation mpirun's ranks also inherit SLURM_* of the batch step: mpirun wins.
     if "OMPI_COMM_WORLD_SIZE" in env:
-        return LaunchInfo("mpirun", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), **slurm)
-    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-        return LaunchInfo("srun", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-                          _int(env, "SLURM_LOCALID"), **slurm)
+        return LaunchInfo("mpirun", slurm.first_int(env, "OMPI_COMM_WORLD_RANK"), slurm.first_int(env, "OMPI_COMM_WORLD_SIZE"),
+                          slurm.first_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), **job)
+    if slurm.task(env) is not None:
+        return LaunchInfo("srun", *slurm.task(env), **job)
     if "PMI_SIZE" in env or "PMIX_RANK" in env:
-        return LaunchInfo("mpirun", _int(env, "PMI_RANK", "PMIX_RANK"), _int(env, "PMI_SIZE"),
-                          _int(env, "MPI_LOCALRANKID"), **slurm)
-    return LaunchInfo("none", **slurm)
+        return LaunchInfo("mpirun", slurm.first_int(env, "PMI_RANK", "PMIX_RANK"), slurm.first_int(env, "PMI_SIZE"),
+                          slurm.first_int(env, "MPI_LOCALRANKID"), **job)
+    return LaunchInfo("none", **job)
 
 
 def launch_problems(info, mpi_rank, mpi_size):
@@ -136,8 +120,7 @@ class World:
 
 
 def node_name(environ=None):
-    env = os.environ if environ is None else environ
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
+    return slurm.slurmd_node(environ) or socket.gethostname()
 
 
 def cpu_threads_per_rank(local_size, environ=None):

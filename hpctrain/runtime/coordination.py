@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from .errors import HpctrainError, RemoteError
+from ..errors import HpctrainError, RemoteError
 from .world import node_name
 
 log = logging.getLogger("hpctrain")
@@ -145,14 +145,14 @@ def _record_failure(exc, rank, host, collective):
         return  # an error already recorded further in, or a normal exit status
     if collective and rank != 0 and isinstance(exc, HpctrainError):
         return
-    from .job import failure
+    from . import failures
 
     if isinstance(exc, SystemExit):
         kind, status = "exit", _exit_status(exc)
     else:
         kind = "error" if collective else "exception"
         status = getattr(exc, "exit_code", 1) if collective else 1
-    failure.record(kind, rank=rank, host=host, status=status, error=type(exc).__name__, message=exc,
+    failures.record(kind, rank=rank, host=host, status=status, error=type(exc).__name__, message=exc,
                    collective=collective)
 
 

@@ -1,8 +1,11 @@
-"""Are the data-parallel replicas still one model? A cheap, exact fingerprint per tensor,
-and the rule that names the ranks that differ. Used before every checkpoint save and by
-the monitor's periodic check.
+"""Are the data-parallel replicas still one model? A cheap, exact fingerprint per tensor, the
+rule that names the ranks that differ, and the one collective check built on them: before
+every checkpoint save (``checkpoint.consistency``), after every ``local_sgd`` average, and
+(gathered to rank 0 only) in the monitor's periodic check.
 """
 import numpy as np
+
+from ..errors import HpctrainError
 
 SAMPLE = 4096  # elements per tensor that enter the fingerprint's CRC
 
@@ -37,6 +40,11 @@ def model_fingerprints(model):
     return [tensor_fingerprint(t) for t in model.state_dict().values()]
 
 
+def parameter_fingerprints(model):
+    """One fingerprint per parameter, in ``model.parameters()`` order (the monitor's check)."""
+    return [tensor_fingerprint(p) for p in model.parameters()]
+
+
 def divergent_ranks(fingerprints):
     """``(reference_ranks, divergent_ranks)`` from one fingerprint (any comparable value)
     per rank: the largest group of equal values is the reference (ties: the group of rank
@@ -52,3 +60,39 @@ def divergent_ranks(fingerprints):
 def first_difference(names, mine, theirs):
     """The name of the first tensor whose fingerprints differ, or None."""
     return next((n for n, a, b in zip(names, mine, theirs) if a != b), None)
+
+
+class ReplicasDiverged(HpctrainError):
+    """The ranks that should hold one model hold tensors that are not bitwise equal."""
+
+
+def compare_replicas(model, comm):
+    """Collective over ``comm``, whose ranks hold replicas of one model (or of one part of it):
+    None when every rank's ``state_dict()`` tensors are bitwise equal, else ``(reference,
+    diverged, first)``: the index in ``comm`` of a rank of the largest group of equal ranks, the
+    job ranks (``MPI.COMM_WORLD``) that differ from it and its own job rank, and the name of the
+    first tensor that differs."""
+    if comm.Get_size() == 1:
+        return None
+    from mpi4py import MPI
+
+    job_ranks, prints = zip(*comm.allgather((MPI.COMM_WORLD.Get_rank(), model_fingerprints(model))))
+    reference, diverged = divergent_ranks(prints)
+    if not diverged:
+        return None
+    first = first_difference(list(model.state_dict()), prints[reference[0]], prints[diverged[0]])
+    return reference[0], ([job_ranks[r] for r in diverged], job_ranks[reference[0]]), first
+
+
+def copy_replica(model, comm, root):
+    """Collective: every rank's ``state_dict()`` tensors become rank ``root``'s, byte for byte."""
+    import torch
+
+    from .flat import bcast_bytes
+
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            host = tensor.detach().cpu().contiguous()
+            bcast_bytes(host.reshape(-1).view(torch.uint8).numpy(), root, comm)
+            if host.data_ptr() != tensor.data_ptr():
+                tensor.copy_(host)

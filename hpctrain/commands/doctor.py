@@ -17,8 +17,8 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-from . import __version__, settings
-from .world import launch_info, launch_problems, node_name
+from .. import __version__, settings
+from ..runtime.world import launch_info, launch_problems, node_name
 
 SETUP_HINT = "run `make setup` in the hpctrain checkout"
 
@@ -117,7 +117,7 @@ def check_horovod(required, cuda):
     if v is None:
         return Check("horovod", False, "not installed",
                      f"{SETUP_HINT} (builds Horovod 0.28.1 with PyTorch and MPI), {alt}", required), {}
-    from .backends.horovod_backend import build_info
+    from ..backends.horovod_backend import build_info
 
     try:
         build = build_info()
@@ -148,7 +148,7 @@ def check_launch(comm):
     return Check("launcher", True, detail), info, rank, size
 
 
-def diagnose():
+def run_checks():
     """Run every check in this process; returns a dict (JSON-ready) and the checks."""
     checks = [check_python(), check_numpy()]
     torch_check, cuda = check_torch()
@@ -209,9 +209,9 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print one JSON document (all ranks) on rank 0")
     args = parser.parse_args(argv)
 
-    report, checks, comm = diagnose()
+    report, checks, comm = run_checks()
     if comm is not None and comm.Get_size() > 1:
-        from .coordination import on_root
+        from ..runtime.coordination import on_root
 
         reports = comm.gather(report, root=0)  # None except on rank 0
         # Rank 0 decides from every rank's report; all ranks exit with its verdict.

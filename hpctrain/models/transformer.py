@@ -19,7 +19,7 @@ whole model never has to fit one rank. ``hidden`` must be a multiple of 4 x para
 from torch import nn
 
 from .stack import LayerStack
-from .tensor import MLPBlock, SelfAttention
+from .blocks import MLPBlock, SelfAttention
 
 TOKEN_FEATURES = 8
 HEADS = 4

@@ -15,10 +15,11 @@
     loss = "cross_entropy"                # a name in LOSSES, or "mypkg.losses:my_loss"
     metrics = "mypkg.metrics:scores"      # optional: (output, target) -> {name: (sum, count)}
 
-:func:`check_factories` runs inside ``config.validate`` (every rank, before any collective): each
+:func:`check_user_code` runs inside ``config.validate`` (every rank, before any collective): each
 path is imported and its keyword arguments are bound to the function's signature, so a typo fails
 at once, on every rank alike, as a :class:`ConfigError` naming the key, the path and the fix.
-The calls (:func:`build_model`, :func:`build_data`, ...) happen in the trainer's set-up.
+The calls happen in the trainer's set-up: :func:`hpctrain.models.build_model`,
+:func:`hpctrain.data.build_data`, :func:`hpctrain.training.losses.build_loss` and ``build_metrics``.
 
 A dataset is anything with ``__len__`` and ``read(indices) -> (x, y)`` (see
 :class:`hpctrain.data.ArrayDataset`), or a map-style torch dataset (``dataset[i] -> (x, y)``).
@@ -32,10 +33,8 @@ import os
 import sys
 import traceback
 
-from .errors import ConfigError
-
-# The losses a configuration names without an import path: loss(output, target) -> scalar.
-LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits")
+from ..errors import ConfigError
+from .schema import LOSSES
 
 
 # ---------------------------------------------------------------- import paths
@@ -126,7 +125,7 @@ def call(spec, kwargs, key):
 
 
 # ---------------------------------------------------------------- validation
-def check_factories(cfg, need_data=True):
+def check_user_code(cfg, need_data=True):
     """Import every path the configuration names and bind its keyword arguments (no call)."""
     make_importable(cfg.run.python_path)
     sections = [("model", cfg.model)] + ([("data", cfg.data)] if need_data else [])
@@ -147,75 +146,3 @@ def check_factories(cfg, need_data=True):
         resolve(cfg.train.metrics, "train.metrics")
 
 
-# ---------------------------------------------------------------- building
-def build_model(model_cfg):
-    """The ``nn.Module`` of ``[model]``: the factory's, else the built-in one
-    (:func:`hpctrain.models.build_model`)."""
-    from torch import nn
-
-    from .models import build_model as build_builtin
-
-    if not model_cfg.factory:
-        return build_builtin(model_cfg)
-    model = call(model_cfg.factory, model_cfg.kwargs, "model.factory")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.factory = {model_cfg.factory!r} returned a {type(model).__name__}, not a "
-                          f"torch nn.Module", hint="return the model (an nn.Module) from the factory")
-    return model
-
-
-def build_data(data_cfg, comm):
-    """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``.
-    Collective: rank 0 calls the factory first, the others after it returned; an error on
-    any rank is raised on every rank."""
-    from .coordination import all_or_none, on_root
-
-    made = {}
-
-    def first():
-        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory)
-
-    on_root(first, comm)  # only the outcome travels; the datasets stay on rank 0
-    if comm.Get_rank() == 0:
-        return all_or_none(lambda: made["data"], comm)
-    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory),
-                       comm)
-
-
-def _splits(result, spec):
-    from .data import as_dataset
-
-    train, val = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
-    try:
-        return as_dataset(train), as_dataset(val)
-    except TypeError as exc:
-        raise ConfigError(f"data.factory = {spec!r} returned {type(result).__name__}: {exc}",
-                          hint="return (train, val) (val may be None) or one dataset") from None
-
-
-def build_loss(name):
-    """``loss(output, target) -> scalar`` for ``train.loss``. A class named by path is
-    instantiated without arguments (``torch.nn.HuberLoss``)."""
-    if name in LOSSES:
-        return _builtin_loss(name)
-    fn = resolve(name, "train.loss")
-    return fn() if inspect.isclass(fn) else fn
-
-
-def build_metrics(spec):
-    """``metrics(output, target)`` for ``train.metrics``, or None."""
-    return resolve(spec, "train.metrics") if spec else None
-
-
-def _builtin_loss(name):
-    import torch.nn.functional as F
-
-    if name == "cross_entropy":
-        def cross_entropy(output, target):
-            # per-token logits (B, T, C) with targets (B, T): the mean over all tokens
-            if output.dim() > 2 and target.dim() == output.dim() - 1 and not target.dtype.is_floating_point:
-                return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-            return F.cross_entropy(output, target)
-        return cross_entropy
-    return {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss,
-            "bce_with_logits": F.binary_cross_entropy_with_logits}[name]

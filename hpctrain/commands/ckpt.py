@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
+from ..checkpoint import format as fmt
 from ..errors import CheckpointError
-from . import format as fmt
 
 
 def _checkpoint_dir(path):
@@ -27,7 +27,7 @@ def _size(nbytes):
 
 
 def _rows(directory, found, latest, quick):
-    from .reader import read_header, verify_file
+    from ..checkpoint.reader import read_header, verify_file
 
     for step, name in sorted(found):
         path = os.path.join(directory, name)
@@ -53,7 +53,7 @@ def _rows(directory, found, latest, quick):
 
 def _abandoned(directory):
     """``[(folder, record or {}, [(step, name)])]`` of the abandoned branches, oldest first."""
-    from .manager import BRANCH_RECORD, scan
+    from ..checkpoint.directory import BRANCH_RECORD, scan
 
     root = os.path.join(directory, fmt.ABANDONED)
     out = []
@@ -71,7 +71,7 @@ def _abandoned(directory):
 
 
 def cmd_list(args):
-    from .manager import read_latest, scan
+    from ..checkpoint.directory import read_latest, scan
 
     directory = _checkpoint_dir(args.directory)
     if not os.path.isdir(directory):
@@ -96,7 +96,7 @@ def cmd_list(args):
 
 
 def cmd_inspect(args):
-    from .reader import read_header
+    from ..checkpoint.reader import read_header
 
     h = read_header(args.file)
     print(f"{args.file}")
@@ -125,7 +125,7 @@ def cmd_inspect(args):
 
 
 def cmd_verify(args):
-    from .reader import verify_file
+    from ..checkpoint.reader import verify_file
 
     problems = verify_file(args.file)
     if problems:
@@ -141,8 +141,8 @@ def model_state_dict(path):
     """The model tensors of checkpoint ``path`` as ``{name: torch.Tensor}`` (verified)."""
     import h5py
 
-    from .reader import read_header, verify_file
-    from .snapshot import array_to_tensor
+    from ..checkpoint.reader import read_header, verify_file
+    from ..checkpoint.snapshot import array_to_tensor
 
     problems = verify_file(path)
     if problems:

@@ -1,0 +1,120 @@
+"""The one pipeline every save goes through, data-parallel, sharded or split model: rank 0
+checks the directory and names a temp file (:func:`prepare`); every rank writes its share of
+it and the ranks re-read and compare the checksums while every rank fsyncs it
+(:func:`write_verified`); rank 0 renames it into place and fsyncs the directory
+(:func:`rename_into_place`), then moves ``latest`` the same way and applies the retention
+(:func:`publish`). A failure at any point, on any rank, raises :class:`CheckpointError` on all
+ranks, removes the temp file and leaves the previous checkpoint and ``latest`` as they were.
+"""
+import logging
+import os
+
+from .. import settings
+from ..errors import CheckpointError
+from ..runtime import fsutil
+from ..runtime.coordination import on_root
+from . import format as fmt
+from . import reader, snapshot, writer
+from .agreement import agree
+from .directory import check_writable, read_latest, write_latest
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+
+def io_mode(comm):
+    """``(parallel, forced)``: write collectively where h5py has MPI-IO, unless
+    ``HPCTRAIN_CKPT_SERIAL`` forces rank 0 to write alone."""
+    forced = settings.get_bool("CKPT_SERIAL")
+    return not forced and writer.h5py_parallel(), forced
+
+
+def prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual", step=0, extra=None):
+    """Rank 0: check the directory, choose the temp name, gather metadata and RNG states.
+    ``extra``: more attributes of ``/``."""
+    check_writable(os.path.dirname(final))
+    nwriters = comm.Get_size() if parallel else 1
+    meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
+                                  "mpio" if parallel else "serial", nwriters)
+    meta.update(extra or {})
+    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": snapshot.rng_states()}
+
+
+def write_verified(plan, info, comm, parallel, verify, background=False):
+    """Collective: write the temp file and check it; remove it on any failure.
+    ``background``: small, independent write calls, so that training runs between them."""
+    tmp = info["tmp"]
+    call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
+    try:
+        # The disk starts writing the file back while it is written, not only at the fsync.
+        stop_writeback = fsutil.early_writeback(tmp) if parallel or comm.Get_rank() == 0 else lambda: None
+        try:
+            checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
+        finally:
+            stop_writeback()
+        # Every rank fsyncs the file while the ranks re-read and checksum it: the disk
+        # writes back while the CPUs verify, instead of one after the other.
+        synced = writer.sync_started(tmp, parallel, comm.Get_rank())
+        try:
+            if verify:
+                expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
+                reader.verify_written(tmp, expected, comm, parallel)
+        finally:
+            problems = synced()
+        agree(problems, comm, tmp, "syncing")
+    except BaseException:
+        if comm.Get_rank() == 0:
+            fsutil.remove_quietly(tmp)
+        raise
+
+
+def rename_into_place(info):
+    """Rank 0: the written and verified temp file becomes the checkpoint, durably."""
+    tmp, final = info["tmp"], info["final"]
+    try:
+        fsutil.durable_rename(tmp, final)
+    except OSError as exc:
+        fsutil.remove_quietly(tmp)
+        raise CheckpointError(f"could not move {tmp} to {final}: {exc}",
+                              hint="the previous checkpoint and `latest` are untouched") from exc
+    return final
+
+
+def publish(info, retention, metric=None):
+    """Rank 0: the checkpoint in place, then ``latest`` moved to it, then what ``retention``
+    (:class:`~.policy.Retention`) no longer keeps deleted."""
+    final = rename_into_place(info)
+    directory, name = os.path.split(final)
+    retention.remember(name, metric)
+    previous = read_latest(directory)
+    try:
+        write_latest(directory, name)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{final} was written and verified, but {os.path.join(directory, fmt.LATEST)} could not be "
+            f"updated ({exc}): it still names {previous or 'no checkpoint'}; old checkpoints were not "
+            f"removed. resume=auto takes the newest valid checkpoint in the directory, {name}; tools that "
+            f"read `latest` see {previous or 'none'}",
+            hint=f"fix the cause (space, permissions) in {directory}; the next successful save moves "
+                 f"`latest`") from exc
+    try:
+        retention.apply()
+    except OSError as exc:  # the new checkpoint is safe; old ones stay a while longer
+        log.warning("retention: %s", exc)
+    return final
+
+
+def write_and_publish(plan, info, comm, parallel, verify, retention, metric=None, background=False):
+    """Collective: a checkpoint of a run, from its plan to ``latest`` and retention."""
+    write_verified(plan, info, comm, parallel, verify, background=background)
+    return on_root(lambda: publish(info, retention, metric), comm)
+
+
+def save_file(path, comm, parallel, make_plan, verify=True, **meta):
+    """Collective: one checkpoint file through the whole pipeline, without ``latest`` or
+    retention. ``make_plan(info)``: the :class:`~.plan.WritePlan` of this rank, from rank 0's
+    ``info`` (``meta``: root attributes, ``rng``: its generators). ``meta``: the
+    arguments of :func:`prepare`. Returns the file's path."""
+    path = os.path.abspath(os.fspath(path))
+    info = on_root(lambda: prepare(path, comm, parallel, **meta), comm)
+    write_verified(make_plan(info), info, comm, parallel, verify)
+    return on_root(lambda: rename_into_place(info), comm)

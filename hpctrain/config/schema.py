@@ -1,0 +1,413 @@
+"""The configuration's schema: one dataclass per TOML section, every choice a key takes, and
+how a value of each field is typed (from TOML, or from the text of a ``key=value`` override).
+
+    [run]   [model]   [data]   [train]   [comm]   [checkpoint]   [monitor]   [parallel]
+
+Every tuple of choices lives here, and the modules that act on a choice import it from here.
+Unknown sections and keys are errors that list the valid ones.
+
+>>> cfg = TrainConfig()
+>>> cfg.train.batch_size = 64
+"""
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+
+# ---------------------------------------------------------------- the choices keys take
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCALINGS = ("none", "linear")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ON_NONFINITE = ("auto", "skip", "rollback", "stop")
+GENERATORS = ("none", "digits", "teacher")
+MODELS = ("mlp", "transformer")  # hpctrain.models
+# loss(output, target) -> scalar, named without an import path (hpctrain.training.losses)
+LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits")
+BACKENDS = ("horovod", "mpi")  # hpctrain.backends
+COMPRESSIONS = ("none", "fp16")  # hpctrain.backends.compression
+COMM_MODES = ("sync", "local_sgd", "stale")  # hpctrain.training.comm_modes
+OUTER_OPTIMIZERS = ("none", "nesterov")
+SHARD_MODES = ("none", "optimizer", "gradients")  # hpctrain.training.sharding
+SHARD_REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
+SCHEDULES = ("1f1b", "gpipe")  # hpctrain.parallel.pipeline
+BALANCES = ("params", "time")
+PROGRESS = ("auto", "bar", "log", "off")
+BEST_MODES = ("min", "max")
+CONSISTENCY = ("check", "repair", "off")
+
+
+@dataclass
+class CheckpointConfig:
+    """``[checkpoint]`` section."""
+
+    directory: Optional[str] = None  # default: <run_dir>/checkpoints
+    every_steps: int = 0  # 0: off
+    every_minutes: float = 0.0  # wall clock; 0: off
+    on_epoch_end: bool = True
+    on_finish: bool = True
+    keep_last: int = 3  # 0: keep all
+    keep_best: int = 0
+    best_metric: str = "val_loss"
+    best_mode: str = "min"  # "min" or "max"
+    milestone_every: int = 0  # keep every M-th step's checkpoint forever; 0: off
+    resume: str = "auto"  # "auto", "none", or a path to a checkpoint file
+    async_save: bool = False  # copy to host memory, write while training continues
+    verify: bool = True  # verify checksums after write, before rename
+    consistency: str = "check"  # "check", "repair" or "off"
+    # The interval chosen by hpctrain (docs/performance.md, "Checkpoint interval"): from the
+    # measured save cost and step time; every_steps/every_minutes, when set, are upper bounds.
+    auto_interval: bool = False
+    max_overhead: float = 0.0  # fraction of wall time training may wait for saves, e.g. 0.02; 0: off
+    mtbf_hours: float = 0.0  # the job's mean time between failures: Young/Daly interval; 0: off
+
+
+
+@dataclass
+class RunConfig:
+    """``[run]``: where the run's files go and its seed."""
+
+    name: str = "run"
+    root: Optional[str] = None  # default: $HPCTRAIN_RUN_ROOT or ./runs
+    run_dir: Optional[str] = None  # default: <root>/<name>-<YYYYmmdd-HHMMSS>; reuse one to resume
+    seed: int = 0
+    # directories put first on the import path (with the working directory) for the factories
+    # that [model], [data] and [train] name; relative to the working directory
+    python_path: list = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    """``[model]``: one of the models in :mod:`hpctrain.models`."""
+
+    name: str = "mlp"
+    in_features: int = 64
+    hidden: int = 128  # width of every hidden layer
+    depth: int = 1  # number of hidden layers (residual blocks when ``residual``)
+    num_classes: int = 10
+    residual: bool = False
+    layer_norm: bool = False
+    dropout: float = 0.0
+    # Your own model instead (hpctrain/factories.py): "package.module:function" returning an
+    # nn.Module, called with the keyword arguments of [model.kwargs]; the fields above are then unused.
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """``[data]``: an HDF5 file with a training and (optionally) a validation split."""
+
+    path: Optional[str] = None  # HDF5 file
+    train: str = "train"  # group holding the training split ("" = the file's root)
+    val: str = "val"  # group holding the validation split; "none" for no evaluation
+    x: str = "x"  # dataset names inside each group
+    y: str = "y"
+    generate: str = "none"  # create ``path`` on rank 0 if missing: "digits", "teacher" or "none"
+    samples: int = 65536  # teacher corpus: training samples
+    val_samples: int = 4096  # teacher corpus: validation samples
+    # Your own data instead: "package.module:function" returning (train, val) datasets, or one
+    # (no evaluation); called with [data.kwargs], on rank 0 first, then on the other ranks.
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class LoopConfig:
+    """``[train]``: the training loop."""
+
+    epochs: int = 1
+    max_steps: int = 0  # stop after this many optimizer steps; 0: no limit
+    batch_size: int = 32  # per rank and backward pass
+    global_batch_size: int = 0  # if set: batch_size = global_batch_size / (ranks x accumulation)
+    accumulation: int = 1  # backward passes per optimizer step
+    lr: float = 0.1
+    optimizer: str = "sgd"  # sgd, adam, adamw
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_scaling: str = "none"  # "linear": lr x ranks
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
+    precision: str = "fp32"  # fp32, bf16 (CPU or GPU), fp16 (GPU only, with a GradScaler)
+    eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
+    eval_batch_size: int = 0  # 0: batch_size
+    step_timeout: float = 0.0  # seconds; a longer step aborts the job (0: HPCTRAIN_WATCHDOG_TIMEOUT, else off)
+    # A step whose averaged gradients hold NaN or infinity is never applied. What follows:
+    # "auto" (default, for unattended jobs): skip the update; after max_nonfinite_skips
+    #   consecutive skipped steps, roll back to the newest checkpoint with the learning rate
+    #   multiplied by rollback_lr_factor; after max_rollbacks rollbacks (or with no checkpoint
+    #   to go back to), stop with an error naming the step and the first non-finite gradient.
+    # "skip": skip, and stop after max_nonfinite_skips consecutive skips.
+    # "rollback": roll back at once (then as "auto"). "stop": stop at the first one.
+    # With fp16 the GradScaler skips such steps itself (and lowers its scale); nothing more.
+    on_nonfinite: str = "auto"
+    max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
+    max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
+    rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
+    # loss(output, target) -> scalar: a built-in name (factories.LOSSES) or "package.module:function"
+    loss: str = "cross_entropy"
+    # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
+    metrics: str = ""
+    clip_grad_norm: float = 0.0  # clip the averaged gradients to this global L2 norm; 0: off
+
+
+@dataclass
+class CommConfig:
+    """``[comm]``: gradient communication."""
+
+    backend: str = "horovod"  # or "mpi"; HPCTRAIN_BACKEND overrides the file
+    compression: str = "none"  # or "fp16"
+    gradient_predivide_factor: float = 1.0  # divide before the sum, the rest after (fp16 range)
+    # When ranks exchange what (docs/asynchronous.md): "sync" (every step), "local_sgd" (each rank
+    # steps alone; parameters averaged every sync_every steps), "stale" (gradients averaged while
+    # the next step computes, applied one step late).
+    mode: str = "sync"
+    sync_every: int = 1  # local_sgd: steps between parameter averages
+    sync_warmup: int = 0  # local_sgd: first steps trained fully synchronous
+    outer_optimizer: str = "none"  # local_sgd: "none" (plain average) or "nesterov" on the averaged change
+    outer_lr: float = 1.0  # local_sgd with nesterov
+    outer_momentum: float = 0.0  # local_sgd with nesterov, e.g. 0.9
+    check_replicas: bool = True  # local_sgd: compare the replicas' fingerprints after every average
+    # "optimizer" (ZeRO stage 1): each rank keeps and updates 1/N of the optimizer state;
+    # "gradients" (stage 2): also only 1/N of the gradients after the reduce-scatter. docs/sharding.md
+    shard: str = "none"
+    # How a sharded run reduces the gradients: "allreduce" (buckets during the backward pass, each
+    # rank keeps its slice), "reduce_scatter" (after it: half the bytes on a ring network), or "auto"
+    # (all-reduce on CPUs, where it measured faster here; reduce-scatter on GPUs). docs/sharding.md
+    shard_reduce: str = "auto"
+
+
+@dataclass
+class MonitorConfig:
+    """``[monitor]``."""
+
+    log_every: int = 10  # steps between progress lines on rank 0
+    progress: str = "auto"  # "auto" (a bar on a terminal, lines otherwise), "bar", "log", "off"
+    # the rest: see docs/monitoring.md
+    gather_every: int = 0  # steps between gathers of per-rank phase timings; 0: log_every
+    slow_rank_factor: float = 1.3  # a rank whose work per step exceeds factor x median ...
+    slow_rank_window: int = 3  # ... in this many consecutive gathers is reported
+    slow_rank_min_seconds: float = 0.005  # ... and only if it is also this much slower per step
+    consistency_every: int = 0  # steps between parameter checksums compared across ranks; 0: off
+    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    horovod_timeline: bool = False  # Horovod timeline to <run_dir>/horovod_timeline.json
+
+
+@dataclass
+class ParallelConfig:
+    """``[parallel]``: split the model over ranks (docs/parallelism.md). Each replica is
+    ``stages x tensor`` ranks; replicas = ranks / (stages x tensor). With ``stages = tensor = 1``
+    (the default) training is data-parallel and nothing here is used. In a split run
+    ``train.batch_size`` is per replica (one pipeline pass, cut into ``micro_batches``)."""
+
+    stages: int = 1  # pipeline stages (consecutive layers per stage)
+    tensor: int = 1  # tensor-parallel ranks per stage (attention heads and MLP widths split)
+    schedule: str = "1f1b"  # "1f1b" (less activation memory) or "gpipe"
+    micro_batches: int = 1  # per replica and step; use several per stage to keep the pipeline busy
+    balance: str = "params"  # layers per stage by parameter count, or "time" (measured per layer)
+
+
+@dataclass
+class TrainConfig:
+    """A whole run's configuration: one attribute per TOML section.
+
+    >>> cfg = TrainConfig()
+    >>> cfg.train.batch_size = 64
+    >>> cfg = load_config("examples/digits.toml", ["train.lr=0.05"])   # doctest: +SKIP
+    """
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_dict(cls, data, source="configuration"):
+        """Build from nested dicts (as TOML gives); unknown sections or keys are errors."""
+        cfg = cls()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a table of sections, found {type(data).__name__}")
+        for section, values in data.items():
+            target = section_of(cfg, section, source)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{section}] must be a table of keys, found {values!r}",
+                                  hint=f"write it as\n[{section}]\nkey = value")
+            for key, value in values.items():
+                set_field(target, section, key, value, source)
+        return cfg
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_toml(self):
+        """TOML text that :func:`load_config` reads back to an equal configuration."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is None:
+                    lines.append(f"# {key} = (not set)")
+                elif isinstance(value, bool):
+                    lines.append(f"{key} = {'true' if value else 'false'}")
+                elif isinstance(value, (int, float)):
+                    lines.append(f"{key} = {value!r}")
+                elif isinstance(value, (dict, list)):
+                    lines.append(f"{key} = {_toml_value(value)}")
+                else:
+                    lines.append(f"{key} = {json.dumps(str(value))}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def section_names():
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def closest(name, choices):
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return close[0] if close else None
+
+
+def section_of(cfg, section, source):
+    names = section_names()
+    if section not in names:
+        close = closest(section, names)
+        raise ConfigError(f"{source}: unknown section [{section}]; valid sections: {', '.join(names)}",
+                          hint=f"did you mean [{close}]?" if close else "remove it")
+    return getattr(cfg, section)
+
+
+def fields_of(obj):
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def field_type(obj, key):
+    hints = typing.get_type_hints(type(obj))
+    kind = hints[key]
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    if optional:
+        kind = next(a for a in args if a is not type(None))
+    return kind, optional
+
+
+def set_field(obj, section, key, value, source, from_text=False):
+    """Set ``obj.key`` (in ``[section]``) from a TOML value or, with ``from_text``, a string."""
+    fields = fields_of(obj)
+    if key not in fields:
+        valid = ", ".join(fields)
+        close = closest(key, fields)
+        raise ConfigError(f"{source}: unknown key {section}.{key}; valid keys in [{section}]: {valid}",
+                          hint=f"did you mean {section}.{close}?" if close else "remove it")
+    kind, optional = field_type(obj, key)
+    setattr(obj, key, _convert(value, kind, optional, f"{section}.{key}", source, from_text))
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _convert(value, kind, optional, name, source, from_text):
+    def bad(expected):
+        return ConfigError(f"{source}: {name} = {value!r} is not {expected}",
+                           hint=f"give {name} {expected}, e.g. {name}={_example(kind)}")
+
+    if kind in (dict, list):
+        return _convert_table(value, kind, name, source, from_text)
+    if from_text:
+        text = value.strip()
+        if optional and text.lower() in ("", "none", "null"):
+            return None
+        if kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise bad("a boolean (true or false)")
+        if kind is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise bad("an integer") from None
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise bad("a number") from None
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            text = text[1:-1]
+        return text
+    if value is None and optional:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad("a boolean (true or false)")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
+def _example(kind):
+    return {bool: "true", int: "10", float: "0.5", dict: "{width = 64}", list: '["src"]'}.get(kind, "name")
+
+
+def parse_literal(text):
+    """A ``key=value`` override's value for a keyword argument: a TOML literal (``64``, ``0.5``,
+    ``true``, ``"text"``, ``[1, 2]``, ``{a = 1}``); anything that is not one is taken as a string.
+
+    >>> parse_literal("1024"), parse_literal("[1, 2]"), parse_literal("gelu")
+    (1024, [1, 2], 'gelu')
+    """
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
+
+
+def _convert_table(value, kind, name, source, from_text):
+    """``dict`` fields (keyword arguments: any TOML values) and ``list`` fields (of strings)."""
+    if from_text:
+        text = value.strip()
+        if kind is list and not text.startswith("["):
+            value = [part.strip() for part in text.split(",") if part.strip()]  # a,b,c
+        else:
+            value = parse_literal(text)
+    if kind is dict and not isinstance(value, dict):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a table of keyword arguments",
+                          hint=f"write it as [{name}] with one key = value per line, or {name} = {{width = 64}}; "
+                               f"one argument from the command line: {name}.width=64")
+    if kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a list of strings",
+                          hint=f'e.g. {name} = ["src", "../shared"] (or {name}=src,../shared on the command line)')
+    return dict(value) if kind is dict else list(value)
+
+
+def _toml_value(value):
+    """TOML text for a value of a ``dict``/``list`` field (inline tables and arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+

@@ -1,0 +1,331 @@
+"""Validation: the one place where choices and ranges are checked, on every rank before any
+collective (:func:`validate`), and the batch arithmetic that makes a global batch the same on
+any number of ranks (:func:`resolve_global_batch`).
+
+>>> cfg = validate(load_config("examples/digits.toml"), world_size=2)   # doctest: +SKIP
+"""
+import dataclasses
+import math
+import os
+
+from ..errors import ConfigError
+from . import schema
+from .schema import closest, section_names
+from .usercode import check_user_code
+
+
+def _check_finite(cfg):
+    """NaN and infinity pass every ``< 0`` test, so they are refused by name first."""
+    for section in section_names():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise ConfigError(f"{section}.{f.name} = {value!r} is not a finite number",
+                                  hint=f"give {section}.{f.name} a finite value, e.g. "
+                                       f"{section}.{f.name}={default!r} (the default)")
+
+
+def resolve_global_batch(global_batch, ranks, accumulation=1):
+    """``(batch_size, accumulation, note)`` that make ``global_batch = batch_size x ranks x
+    accumulation`` on ``ranks`` ranks: the smallest accumulation >= the configured one for which
+    the global batch divides evenly, so that the same samples make each step on any number of
+    ranks. ``note`` says what changed (``None`` when the accumulation is the configured one).
+    Raises :class:`ConfigError` naming what to set when no accumulation fits (pure).
+
+    >>> resolve_global_batch(48, 3, 1)
+    (16, 1, None)
+    >>> resolve_global_batch(64, 4, 3)[:2]
+    (4, 4)
+    """
+    per_rank = global_batch // ranks
+    chosen = None
+    if global_batch % ranks == 0:
+        chosen = next((a for a in range(accumulation, per_rank + 1) if per_rank % a == 0), None)
+    if chosen is None:
+        per_step = ranks * accumulation
+        lower = max(per_step, global_batch // per_step * per_step)
+        raise ConfigError(
+            f"train.global_batch_size = {global_batch} is not divisible by ranks x accumulation = {ranks} x "
+            f"{accumulation} = {per_step}, nor by {ranks} x any larger accumulation",
+            hint=f"use a multiple of {per_step} (e.g. {lower} or {lower + per_step}), run on a number of ranks "
+                 f"that divides it, or set the per-rank train.batch_size instead. A global batch divisible by "
+                 f"every rank count a relaunch may use (e.g. 48 for 1 to 4 ranks) trains the same on each")
+    note = None
+    if chosen != accumulation:
+        note = (f"train.accumulation {accumulation} -> {chosen}: the global batch {global_batch} over {ranks} "
+                f"ranks is {per_rank} per rank, which {accumulation} micro-batches do not divide")
+    return per_rank // chosen, chosen, note
+
+
+def check_choice(name, value, choices, otherwise=None):
+    """Raise :class:`ConfigError` unless ``value`` is one of ``choices``: the value, the choices,
+    and the closest choice as the fix (else ``otherwise``, else the list)."""
+    if value in choices:
+        return
+    close = closest(value, choices)
+    raise ConfigError(f"{name} = {value!r} is not one of {', '.join(choices)}",
+                      hint=f"did you mean {name} = {close!r}?" if close
+                      else otherwise or f"set {name} to one of {', '.join(choices)}")
+
+
+def _positive(name, value, zero_ok=False):
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} = {value!r} must be {'>= 0' if zero_ok else '> 0'}",
+                          hint=f"set {name} to a {'non-negative' if zero_ok else 'positive'} value")
+
+
+def validate(cfg, world_size=1, cuda=False, need_data=True):
+    """Check values that no single field's type can; return a resolved copy.
+
+    The copy has ``train.batch_size`` (per rank) derived from ``global_batch_size`` when that
+    is set, with the accumulation raised where needed (:func:`resolve_global_batch`; ``cfg.notes``
+    then says what changed). Raises :class:`ConfigError` naming the key, the value and the fix.
+    """
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))
+    _check_finite(cfg)
+    _check_train(cfg, cuda)
+    data_ranks = _check_layout(cfg.parallel, world_size)  # the replicas: world_size when not split
+    _check_shard(cfg.comm, cfg.train)
+    t = cfg.train
+    if t.global_batch_size:
+        t.batch_size, t.accumulation, note = resolve_global_batch(t.global_batch_size, data_ranks, t.accumulation)
+        if note:  # what was changed, for rank 0 to say (not a field: never written to config.toml)
+            cfg.notes = (note,)
+    _check_model(cfg.model)
+    _check_data(cfg, need_data)
+    _check_monitor(cfg.monitor)
+    _check_comm_mode(cfg)
+    _check_checkpoint(cfg.checkpoint)
+    if not cfg.run.name or os.sep in cfg.run.name:
+        raise ConfigError(f"run.name = {cfg.run.name!r} must be a non-empty name without {os.sep!r}",
+                          hint='e.g. run.name = "digits"')
+    check_user_code(cfg, need_data=need_data)  # the user's import paths and keyword arguments
+    _check_split(cfg)
+    return cfg
+
+
+def _check_train(cfg, cuda):
+    """``[comm]``'s backend and compression, and ``[train]``."""
+    t, c = cfg.train, cfg.comm
+    check_choice("comm.backend", c.backend, schema.BACKENDS)
+    check_choice("comm.compression", c.compression, schema.COMPRESSIONS)
+    _positive("comm.gradient_predivide_factor", c.gradient_predivide_factor)
+    check_choice("train.optimizer", t.optimizer, schema.OPTIMIZERS)
+    check_choice("train.lr_scaling", t.lr_scaling, schema.LR_SCALINGS)
+    check_choice("train.precision", t.precision, schema.PRECISIONS)
+    if t.precision == "fp16" and not cuda:
+        raise ConfigError("train.precision = \"fp16\" needs a GPU (a GradScaler on CUDA); this rank has none",
+                          hint='use train.precision = "bf16" (mixed precision on CPU) or "fp32"')
+    for name in ("batch_size", "accumulation", "epochs"):
+        _positive(f"train.{name}", getattr(t, name))
+    _positive("train.lr", t.lr)
+    for name in ("max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
+                 "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks"):
+        _positive(f"train.{name}", getattr(t, name), zero_ok=True)
+    check_choice("train.on_nonfinite", t.on_nonfinite, schema.ON_NONFINITE)
+    if not 0 < t.rollback_lr_factor <= 1:
+        raise ConfigError(f"train.rollback_lr_factor = {t.rollback_lr_factor!r} must be in (0, 1] (the learning "
+                          f"rate is multiplied by it at each rollback)",
+                          hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
+
+
+def _check_model(m):
+    check_choice("model.name", m.name, schema.MODELS)
+    for name in ("in_features", "hidden", "depth", "num_classes"):
+        _positive(f"model.{name}", getattr(m, name))
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)", hint="e.g. model.dropout=0.1")
+
+
+def _check_data(cfg, need_data):
+    d = cfg.data
+    check_choice("data.generate", d.generate, schema.GENERATORS)
+    if need_data and not d.path and not d.factory:
+        raise ConfigError("data.path is not set: no training data",
+                          hint='set data.path = "data/digits.h5" (with data.generate = "digits" to create it), '
+                               'or data.factory = "package.module:function" for your own data')
+    if d.generate == "digits" and (cfg.model.in_features, cfg.model.num_classes) != (64, 10):
+        raise ConfigError(f"data.generate = \"digits\" makes 64 features and 10 classes, but model.in_features = "
+                          f"{cfg.model.in_features} and model.num_classes = {cfg.model.num_classes}",
+                          hint="set model.in_features = 64 and model.num_classes = 10")
+    _positive("data.samples", d.samples)
+    _positive("data.val_samples", d.val_samples, zero_ok=True)
+
+
+def _check_monitor(m):
+    _positive("monitor.log_every", m.log_every)
+    check_choice("monitor.progress", m.progress, schema.PROGRESS)
+    _positive("monitor.slow_rank_window", m.slow_rank_window)
+    for name in ("gather_every", "consistency_every", "slow_rank_min_seconds"):
+        _positive(f"monitor.{name}", getattr(m, name), zero_ok=True)
+    if m.slow_rank_factor <= 1:
+        raise ConfigError(f"monitor.slow_rank_factor = {m.slow_rank_factor} must be > 1 (a ratio to the median rank)",
+                          hint="e.g. monitor.slow_rank_factor = 1.3")
+
+
+def _check_checkpoint(k):
+    check_choice("checkpoint.best_mode", k.best_mode, schema.BEST_MODES)
+    check_choice("checkpoint.consistency", k.consistency, schema.CONSISTENCY)
+    for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",
+                 "mtbf_hours"):
+        _positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
+    _check_auto_interval(k)
+
+
+def _check_auto_interval(k):
+    """``[checkpoint]``: auto_interval needs a rule, and the rules need auto_interval."""
+    if k.auto_interval and not (k.max_overhead or k.mtbf_hours):
+        raise ConfigError("checkpoint.auto_interval = true, but neither checkpoint.max_overhead nor "
+                          "checkpoint.mtbf_hours is set: no rule to choose the interval by",
+                          hint="e.g. checkpoint.max_overhead=0.02 (2% of wall time) and/or "
+                               "checkpoint.mtbf_hours=24 (the job's mean time between failures)")
+    if not k.auto_interval:
+        for name in ("max_overhead", "mtbf_hours"):
+            if getattr(k, name):
+                raise ConfigError(f"checkpoint.{name} = {getattr(k, name)!r} is only used with "
+                                  f"checkpoint.auto_interval = true, which is false",
+                                  hint=f"set checkpoint.auto_interval=true, or remove checkpoint.{name}")
+    if k.max_overhead >= 0.5:
+        raise ConfigError(f"checkpoint.max_overhead = {k.max_overhead!r} must be below 0.5 (a fraction of wall "
+                          f"time, not a percentage)", hint="e.g. checkpoint.max_overhead=0.02 for 2%")
+
+
+def _check_comm_mode(cfg):
+    """``comm.mode`` and the keys that only it uses (:mod:`hpctrain.training.comm_modes`)."""
+    c = cfg.comm
+    check_choice("comm.mode", c.mode, schema.COMM_MODES)
+    check_choice("comm.outer_optimizer", c.outer_optimizer, schema.OUTER_OPTIMIZERS)
+    if c.sync_every < 1:
+        raise ConfigError(f"comm.sync_every = {c.sync_every!r} must be >= 1 (steps between parameter averages)",
+                          hint="e.g. comm.sync_every=16; 1 averages after every step")
+    if c.sync_warmup < 0:
+        raise ConfigError(f"comm.sync_warmup = {c.sync_warmup!r} must be >= 0",
+                          hint="e.g. comm.sync_warmup=100 (fully synchronous steps first), or 0")
+    if c.mode != "local_sgd":
+        for name, default in (("sync_every", 1), ("sync_warmup", 0), ("outer_optimizer", "none")):
+            if getattr(c, name) != default:
+                raise ConfigError(f"comm.{name} = {getattr(c, name)!r} is only used with comm.mode = \"local_sgd\", "
+                                  f"but comm.mode = {c.mode!r}",
+                                  hint=f"set comm.mode=local_sgd, or remove comm.{name}")
+    if c.outer_optimizer == "none" and (c.outer_lr != 1.0 or c.outer_momentum != 0.0):
+        raise ConfigError("comm.outer_lr or comm.outer_momentum is set, but comm.outer_optimizer = \"none\" "
+                          "(the averaged parameters are taken as they are)",
+                          hint="set comm.outer_optimizer=nesterov (with comm.mode=local_sgd), or remove them")
+    if c.outer_lr <= 0:
+        raise ConfigError(f"comm.outer_lr = {c.outer_lr!r} must be > 0", hint="e.g. comm.outer_lr=0.7")
+    if not 0 <= c.outer_momentum < 1:
+        raise ConfigError(f"comm.outer_momentum = {c.outer_momentum!r} must be in [0, 1)",
+                          hint="e.g. comm.outer_momentum=0.9")
+    if c.mode == "sync":
+        return
+    t = cfg.train
+    if t.precision == "fp16":
+        raise ConfigError(f"comm.mode = {c.mode!r} does not support train.precision = \"fp16\": its GradScaler "
+                          f"decides per rank which steps to skip, and the ranks' scales would drift apart",
+                          hint='use train.precision = "bf16" (no scaler), or comm.mode=sync')
+    if c.mode != "local_sgd":
+        return
+    # Step-interval checkpoints and the monitor's replica check see one model only at
+    # synchronisation points (every sync_every steps). (An evaluation between them averages first.)
+    for key, value in (("checkpoint.every_steps", cfg.checkpoint.every_steps),
+                       ("monitor.consistency_every", cfg.monitor.consistency_every)):
+        if value and value % c.sync_every:
+            lower = max(c.sync_every, value // c.sync_every * c.sync_every)
+            raise ConfigError(f"{key} = {value} is not a multiple of comm.sync_every = {c.sync_every}: with "
+                              f"comm.mode = \"local_sgd\" the ranks hold one model only every {c.sync_every} steps",
+                              hint=f"set {key}={lower} (or another multiple of comm.sync_every)")
+
+
+# ---------------------------------------------------------------- [parallel]
+def is_split(cfg):
+    """True when ``[parallel]`` splits the model (more than one stage or tensor rank)."""
+    return cfg.parallel.stages * cfg.parallel.tensor > 1
+
+
+def _check_layout(p, world_size):
+    """The number of replicas (data-parallel ranks) of ``[parallel]`` on ``world_size`` ranks."""
+    for name in ("stages", "tensor", "micro_batches"):
+        value = getattr(p, name)
+        if value < 1:
+            raise ConfigError(f"parallel.{name} = {value!r} must be >= 1",
+                              hint=f"set parallel.{name} to a positive integer, e.g. parallel.{name}=2")
+    check_choice("parallel.schedule", p.schedule, schema.SCHEDULES)
+    check_choice("parallel.balance", p.balance, schema.BALANCES)
+    return replicas_of(p.stages, p.tensor, world_size)
+
+
+def replicas_of(stages, tensor, size):
+    """The replicas of ``stages x tensor`` ranks each that ``size`` ranks make (pure)."""
+    per_replica = stages * tensor
+    if size % per_replica:
+        raise ConfigError(
+            f"{size} ranks cannot be divided into replicas of {stages} stage(s) x "
+            f"{tensor} tensor-parallel rank(s) = {per_replica} ranks each "
+            f"({size} is not a multiple of {per_replica})",
+            hint=f"launch a multiple of {per_replica} ranks (e.g. mpirun -n "
+                 f"{per_replica * max(1, size // per_replica)}), or change parallel.stages / parallel.tensor")
+    return size // per_replica
+
+
+def _check_split(cfg):
+    """What a split run cannot do (yet), each with the setting to change."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if m.name == "transformer":
+        if m.in_features % 8:
+            raise ConfigError(f"model.in_features = {m.in_features} is not a multiple of 8: the transformer reads "
+                              f"a sample as tokens of 8 features", hint="use a multiple of 8, e.g. 64")
+        if m.hidden % (4 * p.tensor):
+            raise ConfigError(f"model.hidden = {m.hidden} does not split into 4 attention heads over "
+                              f"parallel.tensor = {p.tensor} rank(s)",
+                              hint=f"use a multiple of {4 * p.tensor} for model.hidden, or fewer tensor ranks")
+    if not is_split(cfg):
+        return
+    why = "in a split run (parallel.stages x parallel.tensor > 1)"
+    if t.accumulation != 1:
+        raise ConfigError(f"train.accumulation = {t.accumulation} is not used {why}: the pipeline's micro-batches "
+                          f"accumulate the gradients", hint=f"set train.accumulation=1 and parallel.micro_batches="
+                                                               f"{p.micro_batches * t.accumulation}")
+    if t.batch_size < p.micro_batches:
+        raise ConfigError(f"train.batch_size = {t.batch_size} (per replica) cannot be cut into parallel.micro_batches "
+                          f"= {p.micro_batches} micro-batches", hint=f"use train.batch_size >= {p.micro_batches}, or "
+                                                                     f"fewer micro-batches")
+    if t.precision != "fp32":
+        raise ConfigError(f"train.precision = {t.precision!r} is not supported {why}",
+                          hint='use train.precision = "fp32"')
+    if cfg.checkpoint.async_save:
+        raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
+                          f"model in place", hint="set checkpoint.async_save=false")
+    if cfg.monitor.consistency_every:
+        raise ConfigError(f"monitor.consistency_every compares all ranks' models, but {why} the ranks hold "
+                          f"different parts; checkpoints still compare the replicas of each stage",
+                          hint="set monitor.consistency_every=0")
+    if cfg.comm.mode != "sync":
+        raise ConfigError(f"comm.mode = {cfg.comm.mode!r} is not supported {why}: the replicas of each stage "
+                          f"average their gradients at every step", hint='set comm.mode = "sync"')
+    if t.clip_grad_norm:
+        raise ConfigError(f"train.clip_grad_norm is not supported {why}: no rank holds every gradient to take "
+                          f"the global norm of", hint="set train.clip_grad_norm=0")
+    if cfg.comm.shard != "none":
+        raise ConfigError(f"comm.shard = {cfg.comm.shard!r} is not supported {why}: each stage's optimizer "
+                          f"already holds only its own layers' state", hint='set comm.shard = "none"')
+
+
+def _check_shard(c, t):
+    """``comm.shard`` and ``train.clip_grad_norm``: the choices, and what sharding cannot do."""
+    check_choice("comm.shard", c.shard, schema.SHARD_MODES,
+                 'comm.shard = "optimizer" (ZeRO stage 1), "gradients" (stage 2) or "none"')
+    check_choice("comm.shard_reduce", c.shard_reduce, schema.SHARD_REDUCTIONS,
+                 'comm.shard_reduce = "auto", "allreduce" or "reduce_scatter"')
+    if t.clip_grad_norm < 0:
+        raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
+                          hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")
+    if c.shard != "none" and t.precision == "fp16":
+        raise ConfigError(f"comm.shard = {c.shard!r} does not support train.precision = \"fp16\" (its GradScaler "
+                          f"steps the whole optimizer, not one rank's shard)",
+                          hint='use train.precision = "bf16", or comm.shard = "none" with fp16')
+    if c.shard != "none" and c.mode != "sync":
+        raise ConfigError(f"comm.shard = {c.shard!r} and comm.mode = {c.mode!r} do not go together: a sharded "
+                          f"step reduce-scatters the gradients of that very step",
+                          hint='set comm.mode = "sync" with comm.shard, or comm.shard = "none" with local_sgd/stale')

@@ -1,0 +1,171 @@
+"""Datasets: anything with ``read(indices) -> (x, y)``. :class:`HDF5Dataset` opens its file
+read-only on each rank (serial h5py) and reads only the indices that rank asks for, sorted, a
+chunk at a time; :class:`ArrayDataset` holds arrays in memory; a map-style torch dataset is
+wrapped (:func:`as_dataset`). :func:`open_datasets` gives a run its (train, val): handed in,
+from the user's ``[data] factory``, or from the ``[data]`` file (generated where asked).
+"""
+import os
+
+import numpy as np
+
+from ..config.usercode import call
+from ..errors import ConfigError, HpctrainError
+from ..runtime.coordination import all_or_none, on_root
+from .generated import generate
+
+
+class ArrayDataset:
+    """In-memory arrays with the same ``read(indices)`` as :class:`HDF5Dataset`."""
+
+    def __init__(self, x, y):
+        self.x, self.y = np.asarray(x), np.asarray(y)
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x has {len(self.x)} samples but y has {len(self.y)}")
+
+    def __len__(self):
+        return len(self.x)
+
+    def read(self, indices):
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(self.x[idx]), torch.from_numpy(self.y[idx])
+
+
+class HDF5Dataset:
+    """Samples ``x[i]``, labels ``y[i]`` from an HDF5 file; each rank reads only what it asks.
+
+    >>> train = HDF5Dataset("data/digits.h5", x="train/x", y="train/y")     # doctest: +SKIP
+    >>> x, y = train.read([5, 1, 3])                                        # doctest: +SKIP
+    """
+
+    # Indices per h5py read: one selection of a few thousand points stays fast.
+    CHUNK = 4096
+
+    def __init__(self, path, x="x", y="y"):
+        self.path, self.x_name, self.y_name = str(path), x, y
+        self._file = None
+        f = self._open()
+        for name in (x, y):
+            if name not in f:
+                raise HpctrainError(f"{self.path} has no dataset {name!r}",
+                                    hint=f"datasets there: {', '.join(_datasets(f))}")
+        self._x, self._y = f[x], f[y]
+        if len(self._x) != len(self._y):
+            raise HpctrainError(f"{self.path}: {x} has {len(self._x)} samples but {y} has {len(self._y)}")
+
+    def _open(self):
+        if self._file is None:
+            import h5py
+
+            try:
+                self._file = h5py.File(self.path, "r")
+            except FileNotFoundError:
+                raise HpctrainError(f"data file {self.path} does not exist",
+                                    hint="create it (examples/prepare_data.py), or set data.generate") from None
+        return self._file
+
+    def __len__(self):
+        return len(self._x)
+
+    def read(self, indices):
+        """(x, y) as torch tensors in the order of ``indices``."""
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        # h5py selections must be increasing and unique: read sorted, then put back in order.
+        wanted, inverse = np.unique(idx, return_inverse=True)
+        x = np.empty((len(wanted),) + self._x.shape[1:], dtype=self._x.dtype)
+        y = np.empty((len(wanted),) + self._y.shape[1:], dtype=self._y.dtype)
+        for lo in range(0, len(wanted), self.CHUNK):
+            part = wanted[lo:lo + self.CHUNK]
+            x[lo:lo + len(part)] = self._x[part]
+            y[lo:lo + len(part)] = self._y[part]
+        return torch.from_numpy(x[inverse]), torch.from_numpy(y[inverse])
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _datasets(f):
+    names = []
+    f.visititems(lambda name, obj: names.append(name) if hasattr(obj, "shape") else None)
+    return names
+
+
+def as_dataset(data):
+    """Anything with ``read(indices)``; a map-style torch dataset is wrapped."""
+    if data is None or hasattr(data, "read"):
+        return data
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return _MapDataset(data)
+    raise TypeError(f"cannot read samples from {type(data).__name__}: give an object with "
+                    f"read(indices) -> (x, y), or a dataset with __getitem__ and __len__")
+
+
+class _MapDataset:
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def read(self, indices):
+        import torch
+
+        items = [self.data[int(i)] for i in indices]
+        # targets of any shape: class numbers, token sequences, regression values
+        return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+
+
+def open_splits(data_cfg):
+    """(train, val or None) :class:`HDF5Dataset` for a :class:`hpctrain.config.DataConfig`."""
+    def name(group, key):
+        return f"{group}/{key}" if group else key
+
+    train = HDF5Dataset(data_cfg.path, name(data_cfg.train, data_cfg.x), name(data_cfg.train, data_cfg.y))
+    val = None
+    if data_cfg.val and data_cfg.val != "none":
+        val = HDF5Dataset(data_cfg.path, name(data_cfg.val, data_cfg.x), name(data_cfg.val, data_cfg.y))
+    return train, val
+
+
+def build_data(data_cfg, comm):
+    """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``.
+    Collective: rank 0 calls the factory first, the others after it returned; an error on
+    any rank is raised on every rank."""
+    made = {}
+
+    def first():
+        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory)
+
+    on_root(first, comm)  # only the outcome travels; the datasets stay on rank 0
+    if comm.Get_rank() == 0:
+        return all_or_none(lambda: made["data"], comm)
+    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory),
+                       comm)
+
+
+def _splits(result, spec):
+    train, val = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
+    try:
+        return as_dataset(train), as_dataset(val)
+    except TypeError as exc:
+        raise ConfigError(f"data.factory = {spec!r} returned {type(result).__name__}: {exc}",
+                          hint="return (train, val) (val may be None) or one dataset") from None
+
+
+def open_datasets(cfg, comm, train=None, val=None):
+    """Collective: a run's (train, val or None): ``train``/``val`` when handed in, else the
+    factory's (rank 0 first: a cache it writes), else the ``[data]`` file's (one rank generates
+    it where ``data.generate`` says and it is missing; the others wait for it or its error)."""
+    if train is not None:
+        return as_dataset(train), as_dataset(val)
+    if cfg.data.factory:
+        return build_data(cfg.data, comm)
+    if cfg.data.generate != "none":
+        on_root(lambda: None if os.path.exists(cfg.data.path)
+                else generate(cfg.data, cfg.model, seed=cfg.run.seed), comm)
+    return all_or_none(lambda: open_splits(cfg.data), comm)

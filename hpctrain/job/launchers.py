@@ -1,0 +1,111 @@
+"""How ``hpctrain launch`` starts the ranks: the ``mpirun`` and ``srun`` command lines, and one
+launch run to its end with its output passed through and its tail kept to read what failed."""
+import collections
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import settings
+from ..runtime.failures import read_records
+
+TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
+
+
+class Mpirun:
+    """``mpirun -n RANKS [--host h:k,...] -x HPCTRAIN_FAILURE_FILE [ARGS] CMD``. Open MPI's
+    settings for root and oversubscription come from the environment (``OMPI_*``) or ``ARGS``."""
+
+    name = "mpirun"
+
+    def __init__(self, extra=()):
+        self.extra = list(extra)
+
+    def command(self, ranks, hosts, rank_cmd):
+        """``hosts``: ``{host: slots}`` to use (``None``: mpirun's own default)."""
+        cmd = ["mpirun", "-n", str(ranks)]
+        if hosts:
+            cmd += ["--host", ",".join(f"{h}:{k}" for h, k in hosts.items())]
+        return cmd + ["-x", settings.name("FAILURE_FILE")] + self.extra + list(rank_cmd)
+
+
+class Srun:
+    """``srun --mpi=pmix --kill-on-bad-exit=1 -n RANKS [-N NODES --exclude=...] [ARGS] CMD``:
+    one task that fails ends the step, as mpirun does."""
+
+    name = "srun"
+
+    def __init__(self, extra=()):
+        self.extra = list(extra)
+
+    def command(self, ranks, hosts, rank_cmd, excluded=()):
+        cmd = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", str(ranks)]
+        if excluded:
+            cmd += [f"--exclude={','.join(excluded)}"]
+            if hosts:
+                cmd += ["-N", str(len(hosts))]
+            # Slurm keeps a step that ran on a node it lost cut off (not killed) "running" until
+            # that node answers again, holding the CPUs of the other nodes too: without --overlap
+            # the relaunch waits for them ("Requested nodes are busy"). The old ranks are gone.
+            cmd.append("--overlap")
+        return cmd + self.extra + list(rank_cmd)
+
+
+@dataclass
+class Attempt:
+    returncode: int
+    tail: str  # the end of the launcher's output (stdout and stderr)
+    records: list  # the ranks' failure records of this launch
+    metrics: list  # the metrics.jsonl records this launch wrote
+    seconds: float
+
+
+class _Tee(threading.Thread):
+    """Copies one pipe of the launcher to ours, keeping its last bytes to read."""
+
+    def __init__(self, pipe, out):
+        super().__init__(daemon=True)
+        self.pipe, self.out, self.tail = pipe, out, collections.deque()
+        self.size = 0
+
+    def run(self):
+        for chunk in iter(lambda: self.pipe.read1(65536), b""):
+            try:
+                self.out.write(chunk)
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+            self.tail.append(chunk)
+            self.size += len(chunk)
+            while self.size > TAIL_BYTES and len(self.tail) > 1:
+                self.size -= len(self.tail.popleft())
+
+    def text(self):
+        return b"".join(self.tail).decode(errors="replace")
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child: None):
+    """Run one launch to its end; ``started_child(child)`` is told the process (to forward
+    signals to), then ``None``. The records are those the launch appended."""
+    offsets = _size(failure_file), _size(metrics_file)
+    started = time.monotonic()
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started_child(child)
+    tees = [_Tee(child.stdout, sys.stdout.buffer), _Tee(child.stderr, sys.stderr.buffer)]
+    for t in tees:
+        t.start()
+    returncode = child.wait()
+    for t in tees:
+        t.join(timeout=10)
+    started_child(None)
+    return Attempt(returncode, tees[0].text() + "\n" + tees[1].text(), read_records(failure_file, offsets[0]),
+                   read_records(metrics_file, offsets[1]), time.monotonic() - started)

@@ -1,0 +1,383 @@
+"""``hpctrain launch``'s supervision: launch the job, read what failed, relaunch it or stop.
+
+Every launch trains in one run directory (``run.run_dir=...``), so that a relaunch resumes
+from the newest checkpoint (``checkpoint.resume=auto``). When a launch fails, the ranks' own
+records (``RUN_DIR/failures.jsonl``) and, for a rank killed by a signal, which writes nothing,
+what mpirun or srun printed say what failed (:mod:`.diagnosis`). Then:
+
+* exit status 0: done; 3 (a requested stop, e.g. Slurm's warning signal): passed on, not
+  restarted, so that a job script can requeue; 2 (bad input) and 5 (diverged): not restarted,
+  the same run would fail the same way; it says so and exits with that status;
+* anything else (an exception on one rank, a rank killed, a hang the watchdog ended, exit 4)
+  is relaunched, at most ``--max-restarts`` times: without the failed node when the job spans
+  several (``srun --exclude``, or an mpirun host list without it; not for a hang, which names
+  no culprit: every rank's watchdog fires); on one node at the same size, or one rank fewer
+  with ``--shrink``; never on fewer than ``--min-ranks``.
+
+A node Slurm loses inside the allocation (``srun: error: Node failure on n3``, or a node Slurm
+flags as not responding after the launch failed: one cut off from the network leaves the other
+ranks hung, and the watchdog names no culprit) is the cause, whatever the ranks reported: the
+relaunch leaves it out, once Slurm has marked it down or taken it out of the allocation.
+
+With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so
+the sample order and the training (``config.resolve_global_batch``: the per-rank batch or the
+accumulation changes, and it is said); where it cannot, the supervisor relaunches on the
+largest rank count that can, or stops saying what to set. Every restart is a ``restart``
+record in ``metrics.jsonl`` (cause, rank, host, ranks before and after, steps lost), shown
+by ``hpctrain report``; a run it gives up on ends with a ``launch_stop`` record.
+"""
+import collections
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from .. import settings
+from ..checkpoint.directory import newest_step
+from ..config import load_config, resolve_global_batch
+from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
+from ..runtime import slurm
+from . import diagnosis, rundir
+from .launchers import Mpirun, Srun, run_launch
+
+PROGRAM = "hpctrain launch"  # the name its messages begin with
+# After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering
+# (cut off from the network: its ranks hang like the others and srun names no node).
+NODE_CHECK_SECONDS = 30
+# ... and, once it is flagged, for Slurm to mark it down (after its SlurmdTimeout, 300 s by default).
+NODE_DOWN_SECONDS = 600
+
+
+def say(text):
+    sys.stderr.write(f"{PROGRAM}: {text}\n")
+    sys.stderr.flush()
+
+
+def is_script(config):
+    """A ``.py`` file is a training script run as it is; anything else a TOML configuration."""
+    return str(config).endswith(".py")
+
+
+@dataclass
+class LaunchPlan:
+    """What every launch of one job runs, and what the relaunches may change."""
+
+    config: str
+    overrides: List[str]
+    run_dir: str
+    checkpoint_dir: str
+    launcher: object
+    ranks: int
+    hosts: Optional[dict] = None  # {host: slots} when known to span several hosts
+    max_restarts: int = 3
+    min_ranks: int = 1
+    shrink: bool = False
+    python: str = sys.executable
+    global_batch: int = 0
+    accumulation: int = 1
+    lr_scaling: str = "none"
+    excluded: list = field(default_factory=list)
+
+    def rank_command(self, relaunch):
+        # a Python script runs as it is, with the same overrides (it takes section.key=value)
+        program = [self.config] if is_script(self.config) else ["-m", "hpctrain", "train", self.config]
+        cmd = [self.python, *program, *self.overrides, f"run.run_dir={self.run_dir}"]
+        if relaunch:
+            cmd.append("checkpoint.resume=auto")  # the last override wins: resume what the failed launch saved
+        return cmd
+
+    @property
+    def failure_file(self):
+        return os.path.join(self.run_dir, rundir.FAILURE_FILE)
+
+    @property
+    def metrics_file(self):
+        return os.path.join(self.run_dir, rundir.METRICS_FILE)
+
+
+def make_plan(args, environ=None):
+    """Everything a launch needs, checked before anything starts (ConfigError on bad input)."""
+    env = os.environ if environ is None else environ
+    # a script's own defaults are not known here: its overrides alone say what it will be told
+    cfg = load_config(None if is_script(args.config) else args.config, args.overrides)
+    if is_script(args.config) and not os.path.isfile(args.config):
+        raise ConfigError(f"training script {args.config} does not exist",
+                          hint="give the path of a Python script (relative to the working directory), "
+                               "or a TOML configuration")
+    extra = shlex.split(args.launcher_args or "")
+    use_srun = args.launcher == "srun" or (args.launcher == "auto" and slurm.in_allocation(env))
+    hosts = None
+    if use_srun:
+        allocated = slurm.allocated_tasks(env)
+        ranks = args.n or allocated
+        if not ranks:
+            raise ConfigError("inside a Slurm allocation without SLURM_NTASKS, and no -n given",
+                              hint="request tasks (sbatch --ntasks or --ntasks-per-node), or give -n RANKS")
+        if allocated and ranks > allocated:
+            raise ConfigError(f"-n {ranks} is more than the {allocated} tasks of this Slurm allocation",
+                              hint=f"leave -n out (the allocation decides: {allocated}), or request more tasks")
+        nodes = slurm.job_hosts(env)
+        if nodes and len(nodes) > 1:
+            hosts = {h: None for h in nodes}
+        launcher = Srun(extra)
+    else:
+        if not args.n:
+            raise ConfigError("no Slurm allocation, and -n RANKS was not given: how many ranks to start?",
+                              hint="e.g. hpctrain launch -n 4 CONFIG (inside an allocation srun's tasks decide)")
+        ranks = args.n
+        launcher = Mpirun(extra)
+    if shutil.which(launcher.name, path=env.get("PATH")) is None:
+        raise ConfigError(f"{launcher.name} is not on PATH: cannot start the ranks",
+                          hint="load the MPI (or Slurm) module that hpctrain was built against, e.g. "
+                               "`module load openmpi`, then launch again")
+    if args.min_ranks < 1 or args.min_ranks > ranks:
+        raise ConfigError(f"--min-ranks {args.min_ranks} must be between 1 and the {ranks} ranks started",
+                          hint=f"e.g. --min-ranks {max(1, ranks // 2)}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0", hint="e.g. --max-restarts 3")
+    if cfg.train.global_batch_size:
+        resolve_global_batch(cfg.train.global_batch_size, ranks, cfg.train.accumulation)
+    run_dir = os.path.abspath(cfg.run.run_dir) if cfg.run.run_dir else rundir.new_path(cfg)
+    overrides = [o for o in args.overrides if not o.strip().startswith("run.run_dir=")]
+    if not cfg.train.step_timeout and not float(settings.get("WATCHDOG_TIMEOUT", environ=env) or 0):
+        say("note: no watchdog (train.step_timeout = 0): a hung job is not ended, so not relaunched either.\n"
+            "HINT: set train.step_timeout (seconds a step or a checkpoint save may take), e.g. train.step_timeout=600")
+    return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
+                      args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
+                      cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling)
+
+
+class Supervisor:
+    """Runs :class:`LaunchPlan` launches until one succeeds, or a failure is not worth repeating."""
+
+    def __init__(self, plan, environ=None):
+        self.plan = plan
+        self.environ = dict(os.environ if environ is None else environ)
+        self.stop_signal = None  # a signal we were sent: passed on, and no relaunch after it
+        self.child = None
+
+    # -- signals: Slurm's warnings and Ctrl-C go to the ranks, and end the supervision
+    def _forward(self, signum, frame):
+        self.stop_signal = signum
+        child = self.child
+        if child is not None and child.poll() is None:
+            try:
+                child.send_signal(signum)
+            except OSError:
+                pass
+
+    def _install_signals(self):
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                signal.signal(sig, self._forward)
+
+    def command(self, ranks, relaunch):
+        """The launcher's command line for ``ranks`` ranks, without the excluded nodes."""
+        p = self.plan
+        rank_cmd = p.rank_command(relaunch)
+        if isinstance(p.launcher, Srun):
+            hosts = [h for h in (p.hosts or {}) if h not in p.excluded]
+            return p.launcher.command(ranks, hosts, rank_cmd, p.excluded)
+        hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
+        return p.launcher.command(ranks, hosts, rank_cmd)
+
+    def launch(self, ranks, relaunch):
+        p = self.plan
+        os.makedirs(p.run_dir, exist_ok=True)
+        cmd = self.command(ranks, relaunch)
+        say(f"{'relaunching' if relaunch else 'starting'} {ranks} rank(s): {shlex.join(cmd)}")
+        env = dict(self.environ, **{settings.name("FAILURE_FILE"): p.failure_file})
+        return run_launch(cmd, env, p.failure_file, p.metrics_file, lambda child: setattr(self, "child", child))
+
+    def run(self):
+        p = self.plan
+        self._install_signals()
+        ranks, restarts = p.ranks, 0
+        say(f"run directory {p.run_dir}; up to {p.max_restarts} restart(s), at least {p.min_ranks} rank(s)")
+        while True:
+            attempt = self.launch(ranks, relaunch=restarts > 0)
+            if attempt.returncode == 0:
+                say(f"done after {restarts} restart(s); run directory {p.run_dir}")
+                return 0
+            hosts = _job_hosts(attempt.metrics)
+            failed = diagnosis.diagnose(attempt.returncode, attempt.records,
+                                        diagnosis.launcher_events(attempt.tail), hosts)
+            if failed.restartable and failed.cause != "node_failure" and self.stop_signal is None:
+                failed = lost_node(p, failed, hosts, slurm.environment(self.environ)["slurm_job_id"])
+            if self.stop_signal is not None:
+                status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
+                say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; "
+                    f"exit status {status}")
+                return status
+            if not failed.restartable:
+                return self._no_restart(failed)
+            if restarts >= p.max_restarts:
+                return self._give_up(failed, f"{restarts} restart(s) done, --max-restarts {p.max_restarts}: "
+                                             f"not restarting again", restarts, ranks)
+            after, why = next_ranks(p, failed, ranks, hosts)
+            if after is None:
+                return self._give_up(failed, why, restarts, ranks)
+            if self.stop_signal is not None:  # sent while deciding: stop instead, for the job script to requeue
+                say(f"{failed.describe()}; stopped by signal {self.stop_signal} before relaunching: not restarted; "
+                    f"exit status {EXIT_STOPPED} (a new job resumes from the newest checkpoint)")
+                return EXIT_STOPPED
+            restarts += 1
+            text, record = restart_record(p, restarts, failed, ranks, after, attempt, why)
+            say(text)
+            self._write_metrics(record)
+            ranks = after
+
+    def _no_restart(self, failed):
+        why = {"bad_input": "a configuration or data error: the same error would repeat. Fix it (see the HINT above) "
+                            "and launch again",
+               "diverged": "training diverged (non-finite values the policy could not recover from): the same run "
+                           "would diverge again. Lower train.lr or add train.warmup_steps, then launch again "
+                           "(it resumes from the newest checkpoint)",
+               "stopped": "stopped on request after saving (exit status 3): passed on so that the job script "
+                          "can requeue"}.get(failed.cause, "not worth repeating")
+        say(f"{failed.describe()}: not restarted: {why}")
+        self._write_metrics({"kind": "launch_stop", "restarted": False, "reason": failed.cause, "why": why,
+                             **_failure_fields(failed)})
+        return failed.status
+
+    def _give_up(self, failed, why, restarts, ranks):
+        say(f"{failed.describe()}; giving up: {why}")
+        self._write_metrics({"kind": "launch_stop", "restarted": False, "reason": "exhausted", "why": why,
+                             "restarts": restarts, "ranks": ranks, **_failure_fields(failed)})
+        return failed.status if failed.status not in (0, EXIT_STOPPED) else EXIT_OTHER
+
+    def _write_metrics(self, record):
+        record = {**record, "timestamp": time.time()}
+        try:
+            os.makedirs(self.plan.run_dir, exist_ok=True)
+            with open(self.plan.metrics_file, "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+        except OSError as exc:
+            say(f"warning: could not append to {self.plan.metrics_file}: {exc}")
+
+
+# ---------------------------------------------------------------- the decisions
+def lost_node(p, failed, hosts, job_id):
+    """``failed``, or a node failure when Slurm says one of the launch's nodes stopped answering.
+    A node cut off from the network leaves every rank hung alike (the watchdog names no culprit)
+    or failing in a collective with it, and srun may not name it: Slurm's node states do, after
+    a while, so a hang waits up to NODE_CHECK_SECONDS for them."""
+    if not isinstance(p.launcher, Srun):
+        return failed
+    spread = sorted(set(hosts)) if hosts else [h for h in (p.hosts or {}) if h not in p.excluded]
+    if len(spread) < 2:
+        return failed
+    deadline = time.monotonic() + (NODE_CHECK_SECONDS if failed.cause == "hang" else 0)
+    while True:
+        lost = slurm.unresponsive_nodes(slurm.sinfo(spread), spread)
+        if lost:
+            break
+        if time.monotonic() >= deadline:
+            return failed
+        time.sleep(2)
+    node = lost[0]
+    say(f"{failed.describe()}; Slurm reports node {node} not responding")
+    # Until Slurm marks the node down and takes it out of the allocation (SlurmdTimeout), a new
+    # step cannot start ("Requested nodes are busy", then fails as the node is removed).
+    started = time.monotonic()
+    said = None
+    while not (state := slurm.node_state(node)).startswith(slurm.DOWN_STATES) and not slurm.left_allocation(node,
+                                                                                                          job_id):
+        waited = time.monotonic() - started
+        if waited >= NODE_DOWN_SECONDS:
+            break
+        if said is None or waited - said >= 30:
+            said = waited
+            say(f"waiting up to {NODE_DOWN_SECONDS - waited:.0f} s more for Slurm to mark node {node} down "
+                f"or remove it from the job before relaunching (its state: {state or '?'})")
+        time.sleep(2)
+    return diagnosis.Failure("node_failure", EXIT_OTHER, True, host=node, step=failed.step, source="slurm")
+
+
+def next_ranks(p, failed, ranks, hosts):
+    """(ranks to relaunch on, what was decided) or (None, why not); leaves a failed node out of
+    ``p`` (its ``excluded`` and ``hosts``)."""
+    spread = sorted(set(hosts)) if hosts else sorted(h for h in (p.hosts or {}) if h not in p.excluded)
+    after, why = ranks, "same size"
+    # A hang names no culprit (every rank's watchdog fires, each in a collective): same nodes.
+    if len(spread) > 1 and failed.host in spread and failed.cause != "hang":
+        lost = hosts.count(failed.host) if hosts else max(1, ranks // len(spread))
+        p.excluded.append(failed.host)
+        if p.hosts is None or isinstance(p.launcher, Mpirun):
+            counts = collections.Counter(hosts or [])
+            p.hosts = {h: counts[h] or (p.hosts or {}).get(h) for h in spread if h not in p.excluded}
+        after, why = ranks - lost, f"without node {failed.host} ({lost} rank(s))"
+    elif p.shrink and failed.rank is not None:
+        after, why = ranks - 1, f"without rank {failed.rank}'s slot (--shrink)"
+    if after < p.min_ranks:
+        return None, (f"{after} rank(s) would remain, fewer than --min-ranks {p.min_ranks}")
+    if p.global_batch and after != ranks:
+        fits = fitting_ranks(p, after)
+        if fits is None:
+            try:
+                resolve_global_batch(p.global_batch, after, p.accumulation)
+            except HpctrainError as exc:
+                return None, f"cannot keep the global batch on {after} rank(s): {exc}"
+        if fits != after:
+            why += f"; train.global_batch_size = {p.global_batch} does not divide over {after}: {fits} rank(s)"
+            after = fits
+    return after, why
+
+
+def fitting_ranks(p, most):
+    """The largest rank count in [min_ranks, most] the global batch divides over, or None."""
+    for r in range(most, p.min_ranks - 1, -1):
+        try:
+            resolve_global_batch(p.global_batch, r, p.accumulation)
+            return r
+        except HpctrainError:
+            continue
+    return None
+
+
+def restart_record(p, n, failed, before, after, attempt, why):
+    """``(line to say, metrics.jsonl record)`` of the ``n``-th restart."""
+    steps = [r["step"] for r in attempt.metrics if isinstance(r.get("step"), int)]
+    failed_step = max(steps, default=None)
+    if failed.step is not None:  # a hang names the step in progress
+        failed_step = max(failed_step or 0, failed.step - 1)
+    resume = newest_step(p.checkpoint_dir)
+    lost = None if failed_step is None else max(0, failed_step - resume)
+    changes = []
+    if after != before:
+        if p.global_batch:
+            batch, accumulation, note = resolve_global_batch(p.global_batch, after, p.accumulation)
+            changes.append(f"global batch {p.global_batch} kept: {batch} per rank x {after} ranks x "
+                           f"{accumulation}" + (f" ({note})" if note else ""))
+        else:
+            changes.append("train.global_batch_size is not set: the global batch changes with the rank count, "
+                           "so the training is not the one of the first launch (set train.global_batch_size "
+                           "to keep it)")
+        if p.lr_scaling == "linear":
+            changes.append(f"train.lr_scaling = \"linear\": the learning rate is train.lr x {after} now, not "
+                           f"x {before} (set train.lr_scaling = \"none\" and the learning rate you want to "
+                           f"keep the training the same on any number of ranks)")
+    text = (f"{failed.describe()}; restart {n} of at most {p.max_restarts}: {before} -> {after} rank(s) ({why}); "
+            f"resuming from step {resume}, {'?' if lost is None else lost} step(s) lost"
+            + "".join(f"; {c}" for c in changes))
+    return text, {"kind": "restart", "restart": n, "cause": failed.cause, **_failure_fields(failed),
+                  "ranks_before": before, "ranks_after": after, "decision": why, "excluded": list(p.excluded),
+                  "failed_step": failed_step, "resume_step": resume, "steps_lost": lost,
+                  "launch_seconds": round(attempt.seconds, 3), "changes": changes}
+
+
+def _failure_fields(failed):
+    return {k: getattr(failed, k) for k in ("rank", "host", "status", "signal", "error", "step", "source")} | \
+        {"description": failed.describe()}
+
+
+def _job_hosts(metrics):
+    """The host of every rank, from the last ``start`` record of the launch (None before it)."""
+    starts = [r for r in metrics if r.get("kind") == "start" and r.get("hosts")]
+    return list(starts[-1]["hosts"]) if starts else None

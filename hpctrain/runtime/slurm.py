@@ -1,0 +1,178 @@
+"""Slurm, known in one place: what the environment of a Slurm job, step or task says, and the
+Slurm commands hpctrain asks (``squeue``, ``sinfo``, ``scontrol``), each with a timeout. A
+command that is missing, fails or hangs answers "unsure" (``None``), never a guess.
+
+Who asks: :mod:`.world` (is this task a rank of an ``srun`` step), :mod:`hpctrain.job.runlock`
+(is the job or step that holds a lock still running), :mod:`hpctrain.job.preemption` (requeue
+this job), :mod:`hpctrain.job.relaunch` (the allocation's nodes, and which stopped answering).
+"""
+import os
+import shutil
+import subprocess
+
+TIMEOUT = 30  # seconds any Slurm command may take
+# Node states (sinfo %t) of a node that will not run a job step
+DOWN_STATES = ("down", "drain", "drng", "fail")
+ACTIVE_JOB_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED")
+
+
+# ---------------------------------------------------------------- the environment
+def first_int(env, *names):
+    """The first of the variables ``names`` that holds an integer (launchers' counts), or None."""
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value.split("(")[0])  # SLURM_NTASKS may read "4(x2)"
+            except ValueError:
+                pass
+    return None
+
+
+def environment(environ=None):
+    """What Slurm's variables say of this process's job (``None`` outside Slurm): the job id,
+    its task count, node list and this node's name (pure)."""
+    env = os.environ if environ is None else environ
+    return dict(slurm_job_id=env.get("SLURM_JOB_ID"),
+                slurm_ntasks=first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+                slurm_nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST"),
+                slurm_node=env.get("SLURMD_NODENAME"))
+
+
+def task(environ=None):
+    """``(rank, size, local rank)`` when this process is a task of an ``srun`` step, else None."""
+    env = os.environ if environ is None else environ
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        return first_int(env, "SLURM_PROCID"), first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), first_int(env, "SLURM_LOCALID")
+    return None
+
+
+def slurmd_node(environ=None):
+    """Slurm's name of this node (``SLURMD_NODENAME``), or None outside a job step."""
+    return (os.environ if environ is None else environ).get("SLURMD_NODENAME")
+
+
+def job_id(environ=None):
+    """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside
+    a job array (requeueing the bare job id would requeue the whole array), else the job id,
+    or ``None`` outside Slurm."""
+    env = os.environ if environ is None else environ
+    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def step_of(environ=None):
+    """``(<job>.<step>, restart count)`` of this process (the step ``batch`` in a job script),
+    or ``(None, 0)`` outside Slurm."""
+    env = os.environ if environ is None else environ
+    number = env.get("SLURM_JOB_ID") or None
+    step = f"{number}.{env.get('SLURM_STEP_ID') or 'batch'}" if number else None
+    return step, int(env.get("SLURM_RESTART_COUNT") or 0)
+
+
+def in_allocation(environ=None):
+    """Inside a Slurm allocation, with ``srun`` to start steps in it."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
+
+
+def allocated_tasks(environ=None):
+    """``SLURM_NTASKS`` of the allocation (0 when not set)."""
+    return first_int(os.environ if environ is None else environ, "SLURM_NTASKS") or 0
+
+
+# ---------------------------------------------------------------- the commands
+def _run(args):
+    """The finished Slurm command, or None when it is missing, failed to start or hung."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hostnames(nodelist):
+    """The host names of a Slurm node list (``n[1-3]``), or None when unsure."""
+    if not nodelist or shutil.which("scontrol") is None:
+        return None
+    proc = _run(["scontrol", "show", "hostnames", nodelist])
+    return (proc.stdout.split() or None) if proc is not None else None
+
+
+def job_hosts(environ=None):
+    """The host names of this job's allocation, or None when unsure."""
+    env = os.environ if environ is None else environ
+    return hostnames(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"))
+
+
+def squeue(args):
+    """stdout of ``squeue -h ARGS``; ``None`` when unsure (no squeue, it failed or hung);
+    ``""`` when squeue says the job is unknown."""
+    found = shutil.which("squeue")
+    proc = _run([found, "-h", *args]) if found else None
+    if proc is None:
+        return None
+    if proc.returncode != 0:
+        return "" if "Invalid job id" in proc.stderr else None
+    return proc.stdout
+
+
+def job_active(job):
+    """False when squeue positively says the job is not pending/running; True if unsure."""
+    if not job:
+        return True
+    out = squeue(["-j", str(job), "-o", "%T"])
+    return True if out is None else any(s in ACTIVE_JOB_STATES for s in out.split())
+
+
+def step_active(step):
+    """False when squeue positively says step ``<job>.<step>`` is not running; True if unsure."""
+    if not step or "." not in step:
+        return True
+    out = squeue(["-s", "-j", step.split(".")[0], "-o", "%i"])
+    return True if out is None else step in out.split()
+
+
+def node_states(sinfo_text):
+    """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); a ``*`` after the state: the
+    node does not answer Slurm."""
+    states = {}
+    for line in sinfo_text.splitlines():
+        name, _, state = line.strip().partition(" ")
+        if name:
+            states[name] = state.strip()
+    return states
+
+
+def unresponsive_nodes(sinfo_text, nodes):
+    """The nodes of ``nodes`` that ``sinfo -h -N -o "%N %t"`` shows down, failing, drained or not
+    responding, in ``nodes``' order (pure)."""
+    states = node_states(sinfo_text)
+    return [n for n in nodes if n in states and (states[n].endswith("*") or states[n].startswith(DOWN_STATES))]
+
+
+def sinfo(nodes):
+    """``sinfo -h -N -o "%N %t"`` of ``nodes`` ("" when unsure)."""
+    proc = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
+    return proc.stdout if proc is not None else ""
+
+
+def node_state(node):
+    return node_states(sinfo([node])).get(node, "")
+
+
+def left_allocation(node, job):
+    """True once Slurm has removed ``node`` from job ``job`` (a --no-kill job losing a node)."""
+    if not job:
+        return False
+    found = shutil.which("squeue")
+    proc = _run([found, "-h", "-j", job, "-o", "%N"]) if found else None
+    nodelist = proc.stdout.strip() if proc is not None else ""
+    nodes = hostnames(nodelist) if nodelist else None
+    return nodes is not None and node not in nodes
+
+
+def requeue(job, scontrol, timeout=60):
+    """``scontrol requeue JOB``: the finished process (raises OSError, TimeoutExpired)."""
+    return subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout)

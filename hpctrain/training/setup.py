@@ -1,0 +1,143 @@
+"""Setting up a run: the named steps of :meth:`hpctrain.Trainer.fit` before its first step, in
+the order every rank follows (each collective one is entered by every rank, or fails on all).
+
+    validate -> watchdog -> steps (backend, process grid) -> run directory and its lock ->
+    data and sampler -> model -> optimizer and state -> checkpoints -> resume and broadcast ->
+    monitor -> the run's first lines
+"""
+import os
+
+from ..checkpoint import CheckpointManager
+from ..config import is_split, validate
+from ..data import ShardSampler, open_datasets
+from ..errors import ConfigError
+from ..job import rundir, runlock
+from ..job.watchdog import Watchdog, watching
+from ..models import count_parameters
+from ..monitoring.monitor import Monitor, build_callbacks
+from ..monitoring.timing import PhaseTimer
+from ..runtime import allocator
+from ..runtime.coordination import all_or_none, on_root
+from ..runtime.world import init_world, mpi_settings
+from ..state import Progress, TrainState
+from . import comm_modes
+from .losses import build_loss, build_metrics
+from .optimizers import make_optimizer
+from .run import Run
+from .split import SplitSteps
+from .steps import DataParallelSteps, ShardedSteps
+
+
+def set_up(trainer, local):
+    """The :class:`~.run.Run` of ``trainer``'s configuration; ``local`` (an ExitStack) gets the
+    cleanup of what one rank can undo alone (the watchdog, the run lock)."""
+    import torch
+
+    world = trainer.world = trainer.world or init_world()
+    cfg = _validated(trainer.config, world, need_data=trainer.train_data is None)
+    t = cfg.train
+    # A step, or any other collective phase (watching(...)), that outlives step_timeout (a
+    # rank stuck in a collective) ends the whole job. Made first: the set-up below already waits.
+    watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=world.comm, where=world.where()))
+    steps = steps_for(cfg, world)
+    run_dir = _run_directory(cfg, world, steps, local)
+    with watching("opening the data set"):
+        train, val = open_datasets(cfg, world.comm, trainer.train_data, trainer.val_data)
+        # Split runs: each replica (not each rank) reads train.batch_size samples per step.
+        sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, steps.data_ranks, t.accumulation)
+        all_or_none(lambda: _check_enough_data(sampler), world.comm)
+    torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
+    loss_fn = trainer.loss_fn or build_loss(t.loss)
+    model = steps.build_model(trainer.model, train, loss_fn)
+    base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
+    state = _state(cfg, steps, model, base_lr)
+    checkpoints = trainer.checkpoints
+    if checkpoints == "auto":
+        checkpoints = CheckpointManager(rundir.checkpoint_dir(cfg, run_dir), world, cfg.checkpoint,
+                                        run_config=cfg.to_dict(), planner=steps.planner())
+    with watching("resume from a checkpoint"):
+        if checkpoints is not None and checkpoints.resume(state):
+            sampler.seed = state.progress.seed  # the data order of the run being resumed
+        steps.broadcast(state)
+        state.comm_mode.start(state)
+    callbacks = _callbacks(trainer.callbacks, cfg, steps, run_dir, sampler)
+    run = Run(world, cfg, steps, run_dir, train, val, sampler, state, checkpoints, callbacks,
+              PhaseTimer(sync=torch.cuda.synchronize if world.device.startswith("cuda") else None), watchdog,
+              loss_fn, base_lr, metrics_fn=build_metrics(t.metrics))
+    _say_first_lines(run)
+    model.train()
+    return run
+
+
+def steps_for(cfg, world):
+    """The steps of ``cfg`` on ``world`` (collective: backends, process grids)."""
+    if is_split(cfg):
+        with watching("building the process grid"):
+            return SplitSteps(cfg, world)
+    return (ShardedSteps if cfg.comm.shard != "none" else DataParallelSteps)(cfg, world)
+
+
+def _validated(config, world, need_data):
+    # Every rank checks the same thing before any collective; all fail alike or none.
+    return all_or_none(lambda: validate(config, world.size, cuda=world.device.startswith("cuda"),
+                                        need_data=need_data), world.comm)
+
+
+def _run_directory(cfg, world, steps, local):
+    with watching("creating the run directory"):
+        run_dir = on_root(lambda: rundir.create(cfg, world, steps.backend), world.comm)
+    if world.is_root:
+        local.callback(runlock.release, run_dir)
+    return run_dir
+
+
+def _check_enough_data(sampler):
+    if sampler.steps_per_epoch < 1:
+        raise ConfigError(
+            f"the global batch ({sampler.batch_size} per rank x {sampler.ranks} ranks x "
+            f"{sampler.accumulation} accumulation = {sampler.global_batch}) is larger than the "
+            f"{sampler.num_samples} training samples", hint="lower train.batch_size or train.accumulation")
+
+
+def _state(cfg, steps, model, base_lr):
+    """The model, its optimizer (as ``comm.mode`` and ``comm.shard`` have it), the GradScaler of
+    fp16, and the communication mode, whose tensors checkpoints save too."""
+    import torch
+
+    t = cfg.train
+    mode = comm_modes.build(cfg.comm, steps.backend, model)  # comm.mode: sync, local_sgd, stale
+    optimizer = steps.wrap_optimizer(lambda: make_optimizer(model, t, base_lr), model, mode)
+    scaler = torch.amp.GradScaler("cuda") if t.precision == "fp16" else None
+    return TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler, comm_mode=mode)
+
+
+def _callbacks(given, cfg, steps, run_dir, sampler):
+    t = cfg.train
+    total_steps = sampler.steps_per_epoch * t.epochs
+    if t.max_steps:
+        total_steps = min(total_steps, t.max_steps)
+    if cfg.monitor.horovod_timeline:
+        steps.backend.start_timeline(os.path.join(run_dir, "horovod_timeline.json"))
+    callbacks = list(given)
+    if not any(isinstance(cb, Monitor) for cb in callbacks):
+        # Every rank builds it: the monitor gathers timings across ranks.
+        with watching("monitor set-up"):
+            callbacks = build_callbacks(cfg.monitor, run_dir, comm=steps.world.comm, total_steps=total_steps,
+                                        samples_per_step=sampler.global_batch) + callbacks
+    return callbacks
+
+
+def _say_first_lines(run):
+    t, steps, sampler, world = run.cfg.train, run.steps, run.sampler, run.world
+    params, tensors = count_parameters(run.state.model)
+    run.log(f"{world.size} ranks ({world.launcher}), {steps.backend.describe()}, {run.state.comm_mode.describe()}; "
+            f"{steps.holds} {params:,} parameters in {tensors} tensors; "
+            f"global batch {sampler.global_batch} = {t.batch_size} x {sampler.ranks} {steps.data_ranks_are} x "
+            f"{t.accumulation}; {sampler.steps_per_epoch} steps/epoch; run dir {run.run_dir}")
+    run.log(allocator.tune())  # what hpctrain set for the user (docs/performance.md)
+    if mpi_settings():
+        run.log(mpi_settings())
+    for note in getattr(run.cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
+        run.log(note)
+    if steps.describe():
+        run.log(steps.describe())

@@ -1,0 +1,187 @@
+"""How a training step runs, behind one interface, so that the trainer's loop is the same for
+every way of training (:func:`.setup.steps_for` picks one):
+
+* :class:`DataParallelSteps`: every rank holds the whole model and reads its own micro-batches;
+  the backend averages the gradients as ``comm.mode`` says (:mod:`.comm_modes`);
+* :class:`ShardedSteps` (``comm.shard``): the same, with each rank's optimizer updating its
+  slice of the parameters (:mod:`.sharding`);
+* :class:`~.split.SplitSteps` (``[parallel]``): the model split into pipeline stages and
+  tensor-parallel ranks, the replicas of each stage averaging its gradients.
+
+A step, as the trainer drives it::
+
+    for indices in micro_batches:
+        loss += steps.forward_backward(run, indices, len(micro_batches))
+    apply = steps.synchronize(state, step)        # False: nothing to apply this step
+    if not steps.grads_finite(state, apply):      # the same verdict on every rank
+        bad = steps.first_nonfinite(state)
+    elif apply:
+        steps.clip(state, max_norm); steps.apply(state)
+
+Beside the step: the model and optimizer each rank builds, the broadcast after a resume, this
+rank's share of an evaluation, and the checkpoint planner (who writes what of a file).
+"""
+import contextlib
+
+import numpy as np
+
+from ..backends import get_backend
+from ..data import eval_shard
+from ..job.watchdog import watching
+from ..models import build_model
+from ..runtime.coordination import all_or_none
+from . import evaluation, nonfinite
+
+
+def seed_step(seed, step, rank):
+    """Every rank's generators from ``(seed, step, rank)``: a resumed step draws what it drew."""
+    import torch
+
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]))
+
+
+def autocast(precision, device):
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
+
+
+class DataParallelSteps:
+    """Every rank holds the whole model; the backend averages the gradients."""
+
+    holds = "model"  # what a rank's parameters are, in the run's first line
+    data_ranks_are = "ranks"
+
+    def __init__(self, cfg, world):
+        c = cfg.comm
+        self.cfg, self.world = cfg, world
+        self.backend = get_backend(c.backend, world, c.compression, c.gradient_predivide_factor)
+
+    @property
+    def data_rank(self):
+        """Which share of each global batch this rank reads."""
+        return self.world.rank
+
+    @property
+    def data_ranks(self):
+        return self.world.size
+
+    # -- set-up
+    def build_model(self, model, train, loss_fn):
+        """This rank's model on its device: ``model``, or ``[model]``'s (a failure on one rank
+        raised on all)."""
+        model = model if model is not None else all_or_none(lambda: build_model(self.cfg.model), self.world.comm)
+        model.to(self.world.device)
+        return model
+
+    def wrap_optimizer(self, make, model, mode):
+        """The optimizer to step: ``make()``'s, as ``comm.mode`` has it wrapped."""
+        return mode.wrap_optimizer(make(), model, self.cfg.train.accumulation)
+
+    def broadcast(self, state):
+        """Rank 0's weights and optimizer state win (after a resume, or a fresh start)."""
+        self.backend.broadcast_state(state.model, state.optimizer)
+
+    def planner(self):
+        """Who writes what of a checkpoint (None: the checkpoint manager's data-parallel default)."""
+        return None
+
+    def describe(self):
+        """A line more for the run's start, or None."""
+        return None
+
+    def close(self):
+        self.backend.close()
+
+    # -- a step
+    def forward_backward(self, run, indices, count):
+        """Read micro-batch ``indices``, forward and backward (its gradient 1/``count`` of the
+        step's); its loss."""
+        device, scaler = self.world.device, run.state.scaler
+        with run.timer.phase("data"):
+            x, y = run.train.read(indices)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with run.timer.phase("forward_backward"):
+            with autocast(run.cfg.train.precision, device):
+                loss = run.loss_fn(run.state.model(x), y)
+            # Dividing by the micro-batch count makes the summed gradient a mean.
+            scaled = loss / count
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            return float(loss.detach())
+
+    def synchronize(self, state, step):
+        """The step's averaged gradients (``step`` counted from 1); False: none to apply."""
+        return state.comm_mode.synchronize_gradients(state.optimizer, step)  # stale: False at its first step
+
+    def grads_finite(self, state, apply):
+        # With a GradScaler, inf/NaN gradients are its own business: it skips the step
+        # and lowers the scale. Otherwise a non-finite step is never applied.
+        return not apply or state.scaler is not None or nonfinite.grads_finite(state.optimizer)
+
+    def first_nonfinite(self, state):
+        """The first parameter whose gradient is not finite (the slow search, on that path only)."""
+        return nonfinite.first_nonfinite(state.model)
+
+    def clip(self, state, max_norm):
+        """``train.clip_grad_norm``: the global norm of the averaged gradients."""
+        import torch
+
+        if state.scaler is not None:
+            state.scaler.unscale_(state.optimizer)
+        return torch.nn.utils.clip_grad_norm_([p for p in state.model.parameters() if p.grad is not None], max_norm)
+
+    def apply(self, state):
+        state.comm_mode.step(state.optimizer, state.scaler)
+
+    def eval_totals(self, run, batch_size):
+        """``{name: (sum, count)}`` of this rank's share of the validation set."""
+        import torch
+
+        model, world, t = run.state.model, self.world, run.cfg.train
+        indices = eval_shard(len(run.val), world.rank, world.size)
+        totals = {"loss": (0.0, 0)}  # name -> (sum, count): val_loss, val_accuracy where it applies, train.metrics
+        model.eval()
+        with torch.no_grad():
+            for lo in range(0, len(indices), batch_size):
+                x, y = run.val.read(indices[lo:lo + batch_size])
+                x, y = x.to(world.device), y.to(world.device)
+                with autocast(t.precision, world.device):
+                    out = model(x)
+                evaluation.add(totals, evaluation.score_batch(out.float(), y, run.loss_fn, run.metrics_fn))
+        model.train()
+        return totals
+
+
+class ShardedSteps(DataParallelSteps):
+    """``comm.shard``: each rank updates its slice (:class:`~.sharding.ShardedOptimizer`); the
+    verdict on finiteness and the gradient norm take every slice. ``comm.mode`` is ``sync``."""
+
+    def wrap_optimizer(self, make, model, mode):
+        from .sharding import ShardedOptimizer
+
+        c = self.cfg.comm
+        return all_or_none(lambda: ShardedOptimizer(make(), model, self.backend, c.shard,
+                                                    accumulation=self.cfg.train.accumulation,
+                                                    reduction=c.shard_reduce), self.world.comm)
+
+    def broadcast(self, state):
+        state.optimizer.broadcast_parameters()  # each rank keeps its own optimizer slice
+
+    def synchronize(self, state, step):
+        state.optimizer.synchronize()
+        return True
+
+    def grads_finite(self, state, apply):
+        return state.optimizer.grads_finite()  # one verdict over all slices
+
+    def first_nonfinite(self, state):
+        return state.optimizer.first_nonfinite()
+
+    def clip(self, state, max_norm):
+        return state.optimizer.clip_grad_norm(max_norm)
+
+    def apply(self, state):
+        state.optimizer.step()
