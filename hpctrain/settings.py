@@ -3,21 +3,22 @@
 =========================  ================================================  ===========  ==============================
 variable                   meaning                                           default      read by
 =========================  ================================================  ===========  ==============================
-HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``;    ``horovod``  ``config.load_config``;
-                           overrides the TOML file's ``comm.backend`` (a                  ``doctor`` (is Horovod needed)
+HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``;    ``horovod``  ``config.loading``;
+                           overrides the TOML file's ``comm.backend`` (a                  ``commands.doctor``
                            ``comm.backend=...`` override wins)
 HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``./runs``   ``job.rundir``
                            config sets neither ``run.run_dir`` nor
                            ``run.root``
-HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.manager``
+HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.commit``
                            (no MPI-IO)
-HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``
-                           may run before the job is aborted, when
-                           ``train.step_timeout`` is 0
-HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    unset        ``coordination``,
-                           to before the job ends (rank, host, kind,                      ``job.watchdog``
-                           exit status, error, step); ``hpctrain launch``                 (written by
-                           sets it to ``RUN_DIR/failures.jsonl``                          ``job.failure``)
+HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``;
+                           may run before the job is aborted, when                        ``job.relaunch`` (warns
+                           ``train.step_timeout`` is 0                                    when there is none)
+HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    unset        ``runtime.failures``
+                           to before the job ends (rank, host, kind,                      (``hpctrain launch`` sets
+                           exit status, error, step)                                      it: ``RUN_DIR/failures.jsonl``)
+HPCTRAIN_MALLOC            ``reuse``: glibc keeps large blocks for reuse     unset        ``runtime.allocator``
+                           (faster steps, more memory kept)
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
@@ -27,14 +28,11 @@ The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN
 
 Launcher variables describe the job, not hpctrain, and are read where they are interpreted:
 
-* :mod:`hpctrain.world`: ``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_RANK}``, ``PMI_{SIZE,RANK,FD}``,
-  ``PMIX_RANK``, ``MPI_LOCALRANKID``, ``SLURM_{JOB_ID,STEP_ID,PROCID,LOCALID,NTASKS,
-  STEP_NUM_TASKS,STEP_NODELIST,JOB_NODELIST}`` and ``SLURMD_NODENAME`` (launcher, rank, size,
-  node), and ``OMP_NUM_THREADS`` (torch threads per rank);
-* :mod:`hpctrain.job.preemption`: ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID`` and
-  ``SLURM_ARRAY_TASK_ID`` (the id ``scontrol requeue`` takes; also the run lock's owner);
-* :mod:`hpctrain.job.runlock`: ``SLURM_STEP_ID`` and ``SLURM_RESTART_COUNT`` (a second live
-  step of a job is refused, a requeued job takes its lock over).
+* :mod:`hpctrain.runtime.world`: ``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_RANK}``, ``PMI_{SIZE,RANK,FD}``,
+  ``PMIX_RANK``, ``MPI_LOCALRANKID`` (launcher, rank, size) and ``OMP_NUM_THREADS`` (torch threads
+  per rank);
+* :mod:`hpctrain.runtime.slurm`: every ``SLURM_*`` variable and ``SLURMD_NODENAME`` (the job and
+  step ids, a task's rank, the node list, the requeue id inside a job array, the restart count).
 """
 import os
 

@@ -28,41 +28,33 @@ def digits(tmp_path_factory):
 # ---------------------------------------------------------------- Slurm
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """A real single-node Slurm cluster (munged, slurmctld, slurmd) for the whole session,
-    stopped afterwards, also when tests fail. Tests that use it are skipped, with the reason,
-    where Slurm cannot be installed or started."""
+def _slurm(prefix, nodes, what):
+    """A real Slurm cluster for the session (scripts/slurm-cluster.sh), stopped afterwards, also
+    when tests fail; the tests that use it are skipped, with the reason, where it cannot start."""
     from slurm_cluster import start_or_reason
 
     # Short path under /tmp: munge's socket path must fit in a Unix socket address.
-    directory = tempfile.mkdtemp(prefix="hpctrain-slurm-")
-    cluster, reason = start_or_reason(directory)
+    directory = tempfile.mkdtemp(prefix=prefix)
+    cluster, reason = start_or_reason(directory, nodes=nodes)
     if cluster is None:
         shutil.rmtree(directory, ignore_errors=True)
-        pytest.skip(f"no Slurm cluster: {reason}")
+        pytest.skip(f"no {what}: {reason}")
     try:
         yield cluster
     finally:
         cluster.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster (munged, slurmctld, slurmd)."""
+    yield from _slurm("hpctrain-slurm-", 1, "Slurm cluster")
 
 
 @pytest.fixture(scope="session")
 def slurm_multinode():
     """A real 3-node Slurm cluster on this machine (nodes n1, n2, n3 in network namespaces,
-    sharing the filesystem), started the first time a test asks for it and torn down (daemons,
-    namespaces, bridge) at the end of the session, also when tests fail. Skipped, with the
-    reason, where it cannot be started."""
-    from slurm_cluster import start_or_reason
-
-    directory = tempfile.mkdtemp(prefix="hpctrain-mn-")
-    cluster, reason = start_or_reason(directory, nodes=3)
-    if cluster is None:
-        shutil.rmtree(directory, ignore_errors=True)
-        pytest.skip(f"no multi-node Slurm cluster: {reason}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    sharing the filesystem), started the first time a test asks for it; namespaces and bridge
+    are torn down with it."""
+    yield from _slurm("hpctrain-mn-", 3, "multi-node Slurm cluster")

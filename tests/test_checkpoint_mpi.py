@@ -187,3 +187,32 @@ def test_corrupt_file_fails_the_job_on_every_rank(tmp_path):
     ranks_say(result, "exit_corrupt ERROR: ", 2)
     assert "/optimizer/state/embed.weight/exp_avg" in result.stdout
     assert "hpctrain: error:" in result.stderr and "NO ERROR" not in result.stdout
+
+
+def test_a_save_and_a_resume_walk_the_checkpoint_modules_downward_only(tmp_path):
+    """Traced on real saves (foreground and the writer thread) and a resume: a checkpoint module
+    calls only the modules below it (those it imports, directly or through others), never back
+    up into its caller's module, and a save goes through the whole pipeline."""
+    from test_structure import _imports, _modules, _name
+
+    below = {}  # module -> the checkpoint modules it imports, directly or not
+    direct = {_name(p): {t for t, _ in _imports(p) if t.startswith("hpctrain.checkpoint")} for p in _modules()}
+
+    def reach(m, seen):
+        for t in direct.get(m, ()):
+            if t not in seen:
+                seen.add(t)
+                reach(t, seen)
+        return seen
+
+    for m in direct:
+        below[m] = reach(m, set())
+    out = mpirun(2, [ROOT / "tests" / "mpi" / "checkpoint_walk.py", tmp_path], timeout=120, check=True).stdout
+    edges = [line.split()[1:] for line in out.splitlines() if line.startswith("EDGE ")]
+    assert edges, out
+    upward = [f"{a} -> {b}" for a, b in edges if b not in below.get(a, ())]
+    assert not upward, "calls that do not go down the checkpoint package's layers:\n" + "\n".join(upward)
+    (entered,) = [line.split()[1:] for line in out.splitlines() if line.startswith("ENTERED ")]
+    for module in ("manager", "policy", "replicated", "commit", "directory", "snapshot", "plan", "writer",
+                   "agreement", "reader", "background"):
+        assert module in entered, (module, entered)

@@ -1,5 +1,7 @@
 """``comm.mode`` without MPI: the validation of ``[comm]`` and the outer optimizer's arithmetic
 (a one-rank stand-in backend whose average is the tensor itself)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -78,6 +80,11 @@ class OneRank:
         return flat
 
 
+def started(optimizer):
+    """What ``mode.start`` reads of a TrainState at step 0."""
+    return SimpleNamespace(optimizer=optimizer, progress=SimpleNamespace(step=0))
+
+
 def test_nesterov_outer_step_follows_slowmo():
     cfg = check("comm.mode=local_sgd", "comm.sync_every=2", "comm.outer_optimizer=nesterov", "comm.outer_lr=0.5",
                 "comm.outer_momentum=0.9").comm
@@ -87,13 +94,7 @@ def test_nesterov_outer_step_follows_slowmo():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     mode = comm_modes.build(cfg, OneRank(), model)
 
-    class State:
-        optimizer = opt
-
-        class progress:  # noqa: N801
-            step = 0
-
-    mode.start(State)
+    mode.start(started(opt))
     expected, m = 1.0, 0.0
     for step in range(1, 5):
         model.weight.grad = torch.full_like(model.weight, 0.25)  # each local step moves -0.25
@@ -116,13 +117,7 @@ def test_local_sgd_leaves_out_a_local_step_with_non_finite_gradients_on_this_ran
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mode = comm_modes.build(cfg, OneRank(), model)
 
-    class State:
-        optimizer = opt
-
-        class progress:  # noqa: N801
-            step = 0
-
-    mode.start(State)
+    mode.start(started(opt))
     for p in model.parameters():
         p.grad = torch.full_like(p, float("nan"))
     # no collective to agree on it: the trainer sees nothing to apply, so its policy never runs

@@ -23,7 +23,7 @@ import pytest
 
 from checkpoint_files import tensors
 from mpi_harness import PYTHON, ROOT
-from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of
+from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -117,15 +117,6 @@ def submit_resilient(cluster, tmp_path, digits, steps, *extra):
                           options=["--nodes=3", "--ntasks-per-node=1", f"--output={tmp_path}/%x-%j.out"])
 
 
-def wait_for_step(cluster, tmp_path, job, step):
-    def reached():
-        try:
-            return f"step {step}/" in output_of(tmp_path, job)
-        except ValueError:  # no output file yet
-            return False
-    cluster.wait_for(reached, JOB_TIMEOUT, f"job {job} to reach step {step}", poll=0.2)
-
-
 def assert_finished_without(cluster, tmp_path, job, steps, node):
     """The job completed in its first start, relaunched once without ``node``, on 2 ranks."""
     (record,) = cluster.wait(job, JOB_TIMEOUT)
@@ -154,7 +145,7 @@ def assert_finished_without(cluster, tmp_path, job, steps, node):
 def test_dead_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, digits):
     steps = 30
     job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
-    wait_for_step(slurm_multinode, tmp_path, job, 9)
+    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
     try:
         killed = slurm_multinode.kill_node("n3")
         assert killed, "no process ran on n3"
@@ -167,7 +158,7 @@ def test_dead_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, d
 def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, digits):
     steps = 30
     job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
-    wait_for_step(slurm_multinode, tmp_path, job, 9)
+    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
     try:
         slurm_multinode.set_link("n2", False)
         started = time.monotonic()

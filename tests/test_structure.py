@@ -6,13 +6,15 @@
 * names: no two public classes, functions or constants of the package share a name, but the
   entry-point convention of the command modules (``main``, ``build_parser``);
 * at most 8 modules directly in ``hpctrain/``;
-* ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, ``horovod`` is imported in
-  ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
+* ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``,
+  ``horovod`` is imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
 """
 import ast
 import collections
 import pathlib
 import re
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hpctrain"
 
@@ -166,14 +168,15 @@ def test_few_modules_directly_in_the_package():
     assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in hpctrain/: {top}"
 
 
-def test_environment_variables_are_read_in_settings_alone():
+@pytest.mark.parametrize("variables, home", [(r"HPCTRAIN_[A-Z0-9_]+", "settings.py"),
+                                              (r"SLURMD?_[A-Z0-9_]+", "runtime/slurm.py")])
+def test_environment_variables_are_read_in_one_module(variables, home):
     """A variable is read by its name: no string that is the whole name of one, elsewhere
     (messages that name one, ``HPCTRAIN_CKPT_SERIAL=1``, are text; settings.name(key) names one)."""
-    found = [f"{p.relative_to(PACKAGE)}:{node.lineno}" for p in _modules() if p.name != "settings.py"
+    found = [f"{p.relative_to(PACKAGE)}:{node.lineno}" for p in _modules() if str(p.relative_to(PACKAGE)) != home
              for node in ast.walk(ast.parse(p.read_text()))
-             if isinstance(node, ast.Constant) and isinstance(node.value, str)
-             and re.fullmatch(r"HPCTRAIN_[A-Z0-9_]+", node.value)]
-    assert not found, f"read HPCTRAIN_* variables through hpctrain.settings: {found}"
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(variables, node.value)]
+    assert not found, f"read these variables through hpctrain/{home}: {found}"
 
 
 def test_horovod_is_imported_by_its_backend_alone():

@@ -52,11 +52,7 @@ class Backend:
 
     def step(self, optimizer, scaler=None):
         """Apply the averaged gradients (after :meth:`synchronize`)."""
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
+        step_optimizer(optimizer, scaler)
 
     # ---- small collectives
     def allreduce_mean(self, value):
@@ -116,6 +112,15 @@ class Backend:
     def broadcast_tensor(self, tensor, root=0):
         """In place: ``tensor`` becomes ``root``'s on every rank."""
         raise NotImplementedError
+
+
+def step_optimizer(optimizer, scaler=None):
+    """``optimizer.step()``, or the AMP ``scaler``'s step and update: every step of a backend or a comm mode."""
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
 
 
 def allgather_in_place(comm, flat, counts):

@@ -3,7 +3,7 @@
 A compressor is stateless: ``compress(t) -> (wire, ctx)`` and ``decompress(wire, ctx) -> t``.
 ``ctx`` carries what ``decompress`` needs to restore the original (here: the dtype).
 
->>> from hpctrain.compression import get_compressor      # doctest: +SKIP
+>>> from hpctrain.backends.compression import get_compressor      # doctest: +SKIP
 >>> fp16 = get_compressor("fp16")
 >>> wire, ctx = fp16.compress(grad)                      # float32 -> float16
 >>> grad_again = fp16.decompress(wire, ctx)              # float16 -> float32

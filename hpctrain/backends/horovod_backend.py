@@ -210,7 +210,7 @@ class HorovodBackend(Backend):
         return flat
 
 
-    # ---- sharded training (comm.shard, hpctrain.sharding)
+    # ---- sharded training (comm.shard, hpctrain.training.sharding)
     # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing: each
     # rank's part travels padded to the longest, as one row of a (ranks x longest) tensor, so
     # the parts can be cut anywhere.
@@ -295,7 +295,7 @@ class HorovodProcessSetBackend(HorovodBackend):
 
     def broadcast_state(self, model, optimizer, root=0):
         raise NotImplementedError("broadcast within a process set goes over the group's MPI communicator "
-                                  "(hpctrain.parallel.hybrid.DataParallelGroup.broadcast)")
+                                  "(hpctrain.parallel.hybrid.ReplicaBackend.broadcast_state)")
 
     def describe(self):
         return (f"horovod backend over process sets of {len(self.group)} rank(s), compression "

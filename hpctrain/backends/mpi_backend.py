@@ -32,19 +32,73 @@ def _fp16_sum(inbuf, inoutbuf, datatype):
         torch.from_numpy(b).add_(torch.from_numpy(a))  # overflow gives inf (a GradScaler skips the step)
 
 
-def _buckets(params, limit):
-    """Group parameters (in order) into lists of equal dtype and at most ``limit`` bytes."""
-    buckets, current, size = [], [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if current and (p.dtype != current[0].dtype or size + nbytes > limit):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+class _GradientBuckets:
+    """The fused buffers of :meth:`MPIBackend.synchronize`: the parameters, in order, in buckets of
+    one dtype and at most ``limit`` bytes, each summed in one all-reduce of buffers kept between steps."""
+
+    def __init__(self, params, limit):
+        self.buckets, current, size = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and (p.dtype != current[0].dtype or size + nbytes > limit):
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(current)
+        self._flat = [{} for _ in self.buckets]  # per bucket: its persistent fused buffers
+
+    def reduce(self, backend):
+        import torch
+
+        with torch.no_grad():
+            for i, bucket in enumerate(self.buckets):
+                self._reduce_bucket(i, bucket, backend)
+
+    def _buffer(self, i, kind, numel, dtype, device):
+        # Allocated once: a fresh buffer every step costs more in page faults than the
+        # copy itself (large CPU allocations go straight back to the OS).
+        import torch
+
+        buf = self._flat[i].get(kind)
+        if buf is None:
+            buf = self._flat[i][kind] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def _reduce_bucket(self, i, bucket, backend):
+        import torch
+
+        numel = sum(p.numel() for p in bucket)
+        flat = self._buffer(i, "flat", numel, bucket[0].dtype, bucket[0].device)
+        # fp16 compression is a cast: done while copying the gradients in (and out), into
+        # a persistent half-size buffer, instead of in extra passes that allocate.
+        cast = backend.compressor.name == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
+        wire = self._buffer(i, "wire", numel, torch.float16, flat.device) if cast else flat
+        for p, chunk in zip(bucket, views(wire, bucket)):
+            if p.grad is None:
+                chunk.zero_()
+            elif backend.gradient_predivide_factor != 1.0:
+                torch.div(p.grad, backend.gradient_predivide_factor, out=chunk)
+            else:
+                chunk.copy_(p.grad)
+        ctx = None
+        if not cast:
+            wire, ctx = backend.compressor.compress(flat)
+        host = wire.cpu()
+        backend._allreduce_sum(host)
+        if host is not wire:
+            wire.copy_(host)
+        if cast:
+            flat.copy_(wire)
+        else:
+            flat = backend.compressor.decompress(wire, ctx)
+        flat.div_(backend.size / backend.gradient_predivide_factor)
+        # The gradients become views of the reduced buffer instead of being copied back
+        # (as DDP's gradient_as_bucket_view); zero_grad() drops the views, and the next
+        # backward pass makes fresh gradients that are copied in above.
+        for p, chunk in zip(bucket, views(flat, bucket)):
+            p.grad = chunk
 
 
 class MPIBackend(Backend):
@@ -58,16 +112,14 @@ class MPIBackend(Backend):
         self.comm = world.comm
         self.compressor = get_compressor(compression)
         self._fp16_op = None
-        self._buckets = []
-        self._flat = []  # per bucket: its persistent fused buffers
+        self._gradients = _GradientBuckets([], FUSION_BYTES)
 
     # ---- gradients
     def distributed_optimizer(self, optimizer, model, accumulation=1):
         # Gradients are summed locally by autograd between steps; synchronize() averages
         # them across ranks once per step, so accumulation needs nothing more here.
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self._buckets = _buckets(params, FUSION_BYTES)
-        self._flat = [{} for _ in self._buckets]
+        self._gradients = _GradientBuckets(params, FUSION_BYTES)
         return optimizer
 
     def broadcast_state(self, model, optimizer, root=0):
@@ -84,67 +136,22 @@ class MPIBackend(Backend):
             optimizer.load_state_dict(state)
 
     def synchronize(self, optimizer):
+        self._gradients.reduce(self)
+
+    def _fp16(self, *tensors):
+        """MPI has no float16: the op that sums as float16 (made once, freed in close), then the tensors as int16."""
         import torch
 
-        with torch.no_grad():
-            for i, bucket in enumerate(self._buckets):
-                self._reduce_bucket(i, bucket)
-
-    def _buffer(self, i, kind, numel, dtype, device):
-        # Allocated once: a fresh buffer every step costs more in page faults than the
-        # copy itself (large CPU allocations go straight back to the OS).
-        import torch
-
-        buf = self._flat[i].get(kind)
-        if buf is None:
-            buf = self._flat[i][kind] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
-
-    def _reduce_bucket(self, i, bucket):
-        import torch
-
-        numel = sum(p.numel() for p in bucket)
-        flat = self._buffer(i, "flat", numel, bucket[0].dtype, bucket[0].device)
-        # fp16 compression is a cast: done while copying the gradients in (and out), into
-        # a persistent half-size buffer, instead of in extra passes that allocate.
-        cast = self.compressor.name == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
-        wire = self._buffer(i, "wire", numel, torch.float16, flat.device) if cast else flat
-        for p, chunk in zip(bucket, views(wire, bucket)):
-            if p.grad is None:
-                chunk.zero_()
-            elif self.gradient_predivide_factor != 1.0:
-                torch.div(p.grad, self.gradient_predivide_factor, out=chunk)
-            else:
-                chunk.copy_(p.grad)
-        ctx = None
-        if not cast:
-            wire, ctx = self.compressor.compress(flat)
-        host = wire.cpu()
-        self._allreduce_sum(host)
-        if host is not wire:
-            wire.copy_(host)
-        if cast:
-            flat.copy_(wire)
-        else:
-            flat = self.compressor.decompress(wire, ctx)
-        flat.div_(self.size / self.gradient_predivide_factor)
-        # The gradients become views of the reduced buffer instead of being copied back
-        # (as DDP's gradient_as_bucket_view); zero_grad() drops the views, and the next
-        # backward pass makes fresh gradients that are copied in above.
-        for p, chunk in zip(bucket, views(flat, bucket)):
-            p.grad = chunk
+        if self._fp16_op is None:
+            self._fp16_op = self.MPI.Op.Create(_fp16_sum, commute=True)
+        return [self._fp16_op] + [[t.view(torch.int16).numpy(), self.MPI.INT16_T] for t in tensors]
 
     def _allreduce_sum(self, tensor):
         import torch
 
         MPI = self.MPI
-        if tensor.dtype == torch.float16:
-            if self._fp16_op is None:
-                self._fp16_op = MPI.Op.Create(_fp16_sum, commute=True)
-            array = tensor.view(torch.int16).numpy()
-            self.comm.Allreduce(MPI.IN_PLACE, [array, MPI.INT16_T], op=self._fp16_op)
-        else:
-            self.comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+        op, array = self._fp16(tensor) if tensor.dtype == torch.float16 else (MPI.SUM, tensor.numpy())
+        self.comm.Allreduce(MPI.IN_PLACE, array, op=op)
 
     # ---- small collectives
     def allreduce_mean(self, value):
@@ -185,13 +192,8 @@ class MPIBackend(Backend):
                 and flat.dtype != torch.float16)
         wire = flat.to(torch.float16) if cast else flat
         host = wire.cpu()
-        if host.dtype == torch.float16:
-            if self._fp16_op is None:
-                self._fp16_op = MPI.Op.Create(_fp16_sum, commute=True)
-            request = self._average_comm.Iallreduce(MPI.IN_PLACE, [host.view(torch.int16).numpy(), MPI.INT16_T],
-                                                    op=self._fp16_op)
-        else:
-            request = self._average_comm.Iallreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+        op, array = self._fp16(host) if host.dtype == torch.float16 else (MPI.SUM, host.numpy())
+        request = self._average_comm.Iallreduce(MPI.IN_PLACE, array, op=op)
         # Open MPI moves the data mostly inside Wait: the overlap is smaller than Horovod's.
         return request, host, wire, flat
 
@@ -218,14 +220,8 @@ class MPIBackend(Backend):
             wire = wire.to(torch.float16)
         host = wire.detach().cpu().contiguous()
         out = torch.empty(counts[self.rank], dtype=host.dtype)
-        if fp16:
-            if self._fp16_op is None:
-                self._fp16_op = MPI.Op.Create(_fp16_sum, commute=True)
-            self.comm.Reduce_scatter([host.view(torch.int16).numpy(), MPI.INT16_T],
-                                     [out.view(torch.int16).numpy(), MPI.INT16_T], recvcounts=list(counts),
-                                     op=self._fp16_op)
-        else:
-            self.comm.Reduce_scatter(host.numpy(), out.numpy(), recvcounts=list(counts), op=MPI.SUM)
+        op, send, receive = self._fp16(host, out) if fp16 else (MPI.SUM, host.numpy(), out.numpy())
+        self.comm.Reduce_scatter(send, receive, recvcounts=list(counts), op=op)
         out = out.to(device=flat.device, dtype=flat.dtype)
         return out.div_(self.size / f)
 

@@ -8,11 +8,7 @@ ranks through parallel HDF5, made durable and pointed to by ``latest`` by rank 0
     mgr.close()                            # waits for a background save
 
 The file layout is in ``docs/checkpoint-format.md``; ``hpctrain ckpt`` lists, inspects,
-verifies and exports checkpoints. The modules, lowest first: ``format`` (pure), ``snapshot``
-(torch objects as arrays), ``plan`` (who writes what), ``agreement``, ``writer`` and ``reader``
-(the I/O), ``sharded`` (sharded optimizers), ``directory`` and ``policy`` (the checkpoint
-directory, what to keep), ``commit`` (the one save pipeline), ``replicated`` (data-parallel
-states, the functions below), ``resume``, ``background``, ``interval``, ``manager``.
+verifies and exports checkpoints. The modules, lowest first: ``docs/architecture.md``.
 """
 from .format import CheckpointCorrupt, NonFiniteState
 from .manager import CheckpointManager

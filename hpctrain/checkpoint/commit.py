@@ -3,8 +3,9 @@ checks the directory and names a temp file (:func:`prepare`); every rank writes 
 it and the ranks re-read and compare the checksums while every rank fsyncs it
 (:func:`write_verified`); rank 0 renames it into place and fsyncs the directory
 (:func:`rename_into_place`), then moves ``latest`` the same way and applies the retention
-(:func:`publish`). A failure at any point, on any rank, raises :class:`CheckpointError` on all
-ranks, removes the temp file and leaves the previous checkpoint and ``latest`` as they were.
+(:func:`publish`, :class:`Retention`). A failure at any point, on any rank, raises
+:class:`CheckpointError` on all ranks, removes the temp file and leaves the previous
+checkpoint and ``latest`` as they were.
 """
 import logging
 import os
@@ -16,7 +17,8 @@ from ..runtime.coordination import on_root
 from . import format as fmt
 from . import reader, snapshot, writer
 from .agreement import agree
-from .directory import check_writable, read_latest, write_latest
+from .directory import check_writable, read_latest, scan, write_latest
+from .policy import select_keep
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -81,7 +83,7 @@ def rename_into_place(info):
 
 def publish(info, retention, metric=None):
     """Rank 0: the checkpoint in place, then ``latest`` moved to it, then what ``retention``
-    (:class:`~.policy.Retention`) no longer keeps deleted."""
+    (:class:`Retention`) no longer keeps deleted."""
     final = rename_into_place(info)
     directory, name = os.path.split(final)
     retention.remember(name, metric)
@@ -109,12 +111,50 @@ def write_and_publish(plan, info, comm, parallel, verify, retention, metric=None
     return on_root(lambda: publish(info, retention, metric), comm)
 
 
-def save_file(path, comm, parallel, make_plan, verify=True, **meta):
-    """Collective: one checkpoint file through the whole pipeline, without ``latest`` or
-    retention. ``make_plan(info)``: the :class:`~.plan.WritePlan` of this rank, from rank 0's
-    ``info`` (``meta``: root attributes, ``rng``: its generators). ``meta``: the
-    arguments of :func:`prepare`. Returns the file's path."""
+def begin(path, comm, parallel, **meta):
+    """Collective: rank 0's :func:`prepare` of the checkpoint ``path`` (``meta``: its arguments),
+    handed to every rank: what each rank's plan needs (root attributes, rank 0's generators)."""
     path = os.path.abspath(os.fspath(path))
-    info = on_root(lambda: prepare(path, comm, parallel, **meta), comm)
-    write_verified(make_plan(info), info, comm, parallel, verify)
+    return on_root(lambda: prepare(path, comm, parallel, **meta), comm)
+
+
+def write_into_place(plan, info, comm, parallel, verify=True):
+    """Collective: one checkpoint file written, verified and renamed into place, without
+    ``latest`` or retention. Returns the file's path."""
+    write_verified(plan, info, comm, parallel, verify)
     return on_root(lambda: rename_into_place(info), comm)
+
+
+class Retention:
+    """What ``[checkpoint]`` keeps of ``directory`` (rank 0): the rules of :func:`select_keep`,
+    with the metric of each checkpoint remembered from its save or read from its header once."""
+
+    def __init__(self, directory, cfg):
+        self.directory, self.cfg = directory, cfg
+        self._metrics = {}
+
+    def remember(self, name, metric):
+        self._metrics[name] = metric
+
+    def _metric_of(self, name):
+        if name not in self._metrics:
+            try:
+                h = reader.read_header(os.path.join(self.directory, name))
+                self._metrics[name] = h.metrics.get(self.cfg.best_metric)
+            except CheckpointError:
+                self._metrics[name] = None
+        return self._metrics[name]
+
+    def apply(self):
+        """Delete what the rules no longer keep (never the file ``latest`` names)."""
+        found = scan(self.directory)
+        c = self.cfg
+        need_metric = c.keep_best > 0
+        keep = select_keep([(s, self._metric_of(n) if need_metric else None) for s, n in found],
+                           c.keep_last, c.keep_best, c.best_mode, c.milestone_every)
+        latest = read_latest(self.directory)
+        for step, name in found:
+            if step not in keep and name != latest:
+                fsutil.remove_quietly(os.path.join(self.directory, name))
+                self._metrics.pop(name, None)
+                log.info("retention: removed %s", name)

@@ -17,16 +17,16 @@ import os
 import time
 
 from .. import settings
-from ..runtime.coordination import on_root
+from ..errors import CheckpointError
+from ..runtime.coordination import everywhere, on_root
 from ..runtime.system import usable_cpus
 from . import commit, directory
 from . import format as fmt
 from .background import BackgroundWriter, threads_ok
 from .interval import AutoInterval
 from .plan import check_finite
-from .policy import Retention, save_reason
+from .policy import save_reason
 from .replicated import ReplicatedPlanner
-from .resume import continue_from, load_newest
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -48,7 +48,7 @@ class CheckpointManager:
         self.parallel, forced = (True, False) if self.planner.collective_only else commit.io_mode(self.comm)
         if world.is_root:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)
-        self.retention = Retention(self.directory, cfg)
+        self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
         self._last_step = None
         self._last_time = time.monotonic()  # rank 0's clock is the one that counts
@@ -144,8 +144,8 @@ class CheckpointManager:
         self.planner.check_replicas(state)
         step = state.progress.step
         final = os.path.join(self.directory, fmt.checkpoint_name(step))
-        info = on_root(lambda: commit.prepare(final, self.comm, self.parallel, self.run_config, metrics, reason, step),
-                       self.comm)
+        info = commit.begin(final, self.comm, self.parallel, run_config=self.run_config, metrics=metrics,
+                            reason=reason, step=step)
         metric = (metrics or {}).get(self.cfg.best_metric)
         background = self.cfg.async_save and threads_ok(self.world.is_root)
         plan = self.planner.plan(state, info, self.parallel, self.background.buffers if background else None)
@@ -188,3 +188,39 @@ def _warn_about_io(parallel, forced, ranks, async_save):
                     "background writer's CPU time comes out of training's (measured: barely less stall than "
                     "a blocking save); give each rank a core more: mpirun --map-by slot:PE=2 (or --bind-to "
                     "none), srun --cpus-per-task=2")
+
+
+# ---------------------------------------------------------------- where a run resumes
+def load_newest(path, planner, state, comm, is_root):
+    """Collective: load the newest valid checkpoint of directory ``path`` into ``state`` with
+    ``planner``; ``(file, header)``, or None when there is none. Raises the same
+    :class:`CheckpointError` on every rank when every one is damaged."""
+    candidates = on_root(lambda: directory.candidates(path), comm)
+    problems = []
+    for file in candidates:
+        try:
+            h = planner.load(file, state)
+        except fmt.CheckpointCorrupt as exc:
+            reason = str(exc).split("\nHINT:")[0]
+            problems.append(reason)
+            if is_root:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", file, reason)
+            continue
+        if problems and is_root:
+            log.warning("resumed from %s, an older checkpoint, because newer ones are damaged", file)
+        return file, h
+    if problems:
+        raise everywhere(CheckpointError(
+            f"no valid checkpoint in {path}:\n  " + "\n  ".join(problems),
+            hint="start fresh with checkpoint.resume=none, or name a file with checkpoint.resume=PATH"))
+    return None
+
+
+def continue_from(path, file, header, state, comm, is_root):
+    """Collective, after ``file`` was loaded into ``state``: its newer siblings become an
+    abandoned branch, and rank 0 says where the run resumed."""
+    on_root(lambda: directory.start_branch(path, file, state.progress.step), comm)
+    if is_root:
+        a = header.root_attrs
+        print(f"hpctrain: resumed from {file} at step {state.progress.step} (epoch {state.progress.epoch}), "
+              f"written by {a.get('nranks', '?')} rank(s) ({a.get('io_mode', '?')})", flush=True)

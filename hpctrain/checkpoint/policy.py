@@ -1,16 +1,7 @@
-"""When to save and what to keep: the pure rules (:func:`save_reason`, :func:`select_keep`), and
-:class:`Retention`, which applies the second to a checkpoint directory after each save. How
-often to save when hpctrain chooses: :mod:`.interval`."""
-import logging
+"""When to save and what to keep: the pure rules (:func:`save_reason`, :func:`select_keep`;
+:class:`~.commit.Retention` applies the second after each save). How often to save when
+hpctrain chooses: :mod:`.interval`."""
 import math
-import os
-
-from ..errors import CheckpointError
-from ..runtime import fsutil
-from . import reader
-from .directory import read_latest, scan
-
-log = logging.getLogger("hpctrain.checkpoint")
 
 
 def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", milestone_every=0):
@@ -59,40 +50,3 @@ def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_
     if auto_due:
         return "auto"
     return None
-
-
-
-
-class Retention:
-    """What ``[checkpoint]`` keeps of ``directory`` (rank 0): the rules of :func:`select_keep`,
-    with the metric of each checkpoint remembered from its save or read from its header once."""
-
-    def __init__(self, directory, cfg):
-        self.directory, self.cfg = directory, cfg
-        self._metrics = {}
-
-    def remember(self, name, metric):
-        self._metrics[name] = metric
-
-    def _metric_of(self, name):
-        if name not in self._metrics:
-            try:
-                h = reader.read_header(os.path.join(self.directory, name))
-                self._metrics[name] = h.metrics.get(self.cfg.best_metric)
-            except CheckpointError:
-                self._metrics[name] = None
-        return self._metrics[name]
-
-    def apply(self):
-        """Delete what the rules no longer keep (never the file ``latest`` names)."""
-        found = scan(self.directory)
-        c = self.cfg
-        need_metric = c.keep_best > 0
-        keep = select_keep([(s, self._metric_of(n) if need_metric else None) for s, n in found],
-                           c.keep_last, c.keep_best, c.best_mode, c.milestone_every)
-        latest = read_latest(self.directory)
-        for step, name in found:
-            if step not in keep and name != latest:
-                fsutil.remove_quietly(os.path.join(self.directory, name))
-                self._metrics.pop(name, None)
-                log.info("retention: removed %s", name)

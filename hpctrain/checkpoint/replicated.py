@@ -17,7 +17,7 @@ from ..runtime.replicas import compare_replicas, copy_replica
 from ..runtime.system import usable_cpus
 from . import format as fmt
 from . import reader, sharded, snapshot
-from .commit import io_mode, save_file
+from .commit import begin, io_mode, write_into_place
 from .plan import copy_own_pieces, plan_snapshot
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -100,8 +100,8 @@ def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reaso
     comm = _comm(comm)
     parallel, _ = io_mode(comm)
     check_consistency(state.model, comm, consistency)
-    return save_file(path, comm, parallel, lambda info: _plan(state, info, comm, parallel), verify,
-                     run_config=run_config, metrics=metrics, reason=reason, step=state.progress.step)
+    info = begin(path, comm, parallel, run_config=run_config, metrics=metrics, reason=reason, step=state.progress.step)
+    return write_into_place(_plan(state, info, comm, parallel), info, comm, parallel, verify)
 
 
 def load_checkpoint(path, state, comm=None, restore_rng=True):
@@ -131,7 +131,7 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
     all_or_none(lambda: snapshot.check_optimizer_groups(state, h.group_attrs, path), comm)
     own = snapshot.in_place_targets(state, h.datasets)
     # What is not read in place allocates and frees large buffers once: reused, not faulted
-    # in afresh each time, and given back afterwards (hpctrain.allocator).
+    # in afresh each time, and given back afterwards (hpctrain.runtime.allocator).
     with allocator.reusing_large_blocks():
         arrays = reader.read_arrays(h, comm, parallel, into={p: a for p, (a, _) in own.items()})
         typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}

@@ -1,4 +1,4 @@
-"""Checkpoints of sharded runs (``comm.shard``, :mod:`hpctrain.sharding`) in the ordinary format.
+"""Checkpoints of sharded runs (``comm.shard``, :mod:`hpctrain.training.sharding`) in the ordinary format.
 
 A file written here has the same datasets, shapes, attributes and values as a replicated
 run's: ``/optimizer/state/<param>/<key>`` holds each parameter's whole state tensor. Only
@@ -27,7 +27,7 @@ STATE_PREFIX = fmt.OPT_STATE + "/"
 
 
 def is_sharded(state):
-    """True when ``state.optimizer`` is a :class:`~hpctrain.sharding.ShardedOptimizer`."""
+    """True when ``state.optimizer`` is a :class:`~hpctrain.training.sharding.ShardedOptimizer`."""
     return bool(getattr(state.optimizer, "sharded", False))
 
 

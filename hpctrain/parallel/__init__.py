@@ -25,7 +25,6 @@ _EXPORTS = {
     "SelfAttention": "hpctrain.models.blocks",
     "ParallelSelfAttention": "tensor",
     "tensor_parallelize": "tensor",
-    "DataParallelGroup": "hybrid",
     "HybridParallel": "hybrid",
     "save_parallel_checkpoint": "checkpoint",
     "load_parallel_checkpoint": "checkpoint",

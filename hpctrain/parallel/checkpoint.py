@@ -7,7 +7,7 @@ written in one layout loads in any other (including plain :func:`hpctrain.checkp
 into the dense model, and ``hpctrain ckpt export``).
 
 Saving (collective over ``grid.comm``) goes through the pipeline of data-parallel saves
-(:func:`hpctrain.checkpoint.commit.save_file`): the replicas of each stage are checked for
+(:mod:`hpctrain.checkpoint.commit`): the replicas of each stage are checked for
 consistency, rank 0 names a temp file, every rank writes its pieces with the one writer, the
 file is re-read and verified, then committed. Only the plan differs: every rank describes the
 region of each global tensor it holds, and the ranks holding the same region (the stage's
@@ -27,7 +27,7 @@ import numpy as np
 from ..checkpoint import format as fmt
 from ..checkpoint import reader, snapshot, writer
 from ..checkpoint.agreement import agree
-from ..checkpoint.commit import save_file
+from ..checkpoint.commit import begin, write_into_place
 from ..checkpoint.plan import DatasetPlan, WritePlan
 from ..checkpoint.replicated import check_consistency
 from ..runtime.coordination import all_or_none, everywhere, on_root
@@ -211,9 +211,9 @@ def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_c
     _require_parallel_h5py()
     # The replicas of a stage (and tensor rank) hold the same regions: they must agree.
     all_or_none(lambda: check_consistency(module, grid.dp_comm, consistency), grid.comm)
-    return save_file(path, grid.comm, True, lambda info: _plan(module, optimizer, grid, progress, info), verify,
-                     run_config=run_config, metrics=metrics, reason=reason,
-                     step=0 if progress is None else progress.step, extra={"parallel_layout": layout_attr(grid)})
+    info = begin(path, grid.comm, True, run_config=run_config, metrics=metrics, reason=reason,
+                 step=0 if progress is None else progress.step, extra={"parallel_layout": layout_attr(grid)})
+    return write_into_place(_plan(module, optimizer, grid, progress, info), info, grid.comm, True, verify)
 
 
 def _require_parallel_h5py():

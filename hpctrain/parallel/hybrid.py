@@ -6,7 +6,7 @@ fused buffers and optional fp16 compression.
 
 ``backend="horovod"`` averages over Horovod process sets instead, one per stage and
 tensor rank, registered on every rank (``hpctrain train`` does this by default,
-:mod:`hpctrain.parallel.strategy`). Pure data parallelism (one stage, one tensor rank) is
+:mod:`hpctrain.training.split`). Pure data parallelism (one stage, one tensor rank) is
 what :class:`hpctrain.Trainer` does with either backend.
 
 Launch (4 ranks: 2 stages x 2 replicas)::
@@ -31,7 +31,7 @@ from .pipeline import Pipeline
 
 
 def sub_world(comm):
-    """A :class:`~hpctrain.world.World` for a sub-communicator, so that the existing
+    """A :class:`~hpctrain.runtime.world.World` for a sub-communicator, so that the existing
     backends can run over it."""
     from ..runtime.world import World, node_name
 
@@ -121,35 +121,6 @@ class ReplicaBackend(Backend):
                 f"gradient_predivide_factor {self.gradient_predivide_factor:g}")
 
 
-class DataParallelGroup:
-    """Averages the gradients of this stage's parameters among its replicas, with a
-    :class:`ReplicaBackend` (``backend="horovod"`` or ``"mpi"``).
-
-    >>> dp = DataParallelGroup(grid, pipe.module, optimizer, compression="fp16")   # doctest: +SKIP
-    >>> dp.broadcast()        # replica 0's parameters and optimizer state to the others
-    >>> ...; loss.backward(); dp.synchronize(); dp.step()
-    """
-
-    def __init__(self, grid, module, optimizer, backend="mpi", compression="none", gradient_predivide_factor=1.0,
-                 backward_passes=1):
-        self.grid = grid
-        self.module = module
-        self.backend = ReplicaBackend(grid, backend, compression, gradient_predivide_factor, backward_passes)
-        self.optimizer = self.backend.distributed_optimizer(optimizer, module)
-
-    def broadcast(self):
-        self.backend.broadcast_state(self.module, self.optimizer, root=0)
-
-    def synchronize(self):
-        self.backend.synchronize(self.optimizer)
-
-    def step(self):
-        self.backend.step(self.optimizer)
-
-    def close(self):
-        self.backend.close()
-
-
 class HybridParallel:
     """A model trained as pipeline x data parallel (x tensor parallel): the pieces wired up.
 
@@ -164,11 +135,11 @@ class HybridParallel:
         self.grid = ProcessGrid.build(layout if isinstance(layout, Layout) else Layout(**layout), comm)
         self.pipeline = Pipeline(model, self.grid, loss_fn, micro_batches, schedule, balance, sample)
         self.module = self.pipeline.module
-        self.dp = DataParallelGroup(self.grid, self.module, optimizer(self.module.parameters()), backend,
-                                    compression, gradient_predivide_factor, backward_passes=micro_batches)
-        self.optimizer = self.dp.optimizer  # Horovod's wrapper with backend="horovod"
+        # The gradients of this stage's parameters are averaged among its replicas.
+        self.backend = ReplicaBackend(self.grid, backend, compression, gradient_predivide_factor, micro_batches)
+        self.optimizer = self.backend.distributed_optimizer(optimizer(self.module.parameters()), self.module)
         # Replicas start equal even if a rank's generator differed when the model was built.
-        self.dp.broadcast()
+        self.backend.broadcast_state(self.module, self.optimizer, root=0)
 
     @property
     def layout(self):
@@ -189,8 +160,8 @@ class HybridParallel:
     def train_step(self, inputs=None, targets=None):
         """One optimizer step on a global batch; returns the mean loss over all replicas."""
         loss = self.pipeline.train_step(self._share(inputs), self._share(targets))
-        self.dp.synchronize()
-        self.dp.step()
+        self.backend.synchronize(self.optimizer)
+        self.backend.step(self.optimizer)
         self.optimizer.zero_grad()  # (Horovod's wrapper takes no set_to_none; None is the default)
         return self.grid.dp_comm.allreduce(loss) / self.layout.replicas
 
@@ -209,6 +180,6 @@ class HybridParallel:
         return load_parallel_checkpoint(path, self.module, self.optimizer, self.grid, progress)
 
     def close(self):
-        self.dp.close()
+        self.backend.close()
         self.grid.free()
 

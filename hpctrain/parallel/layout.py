@@ -15,6 +15,7 @@ replica 1 is ranks 2 and 3; stage 0's gradients are averaged between ranks 0 and
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..config.validation import replicas_of
 from ..errors import ConfigError
 
 
@@ -37,17 +38,9 @@ class Layout:
                 raise ConfigError(f"parallel.{name} is {value!r}; expected an integer >= 1")
         if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):
             raise ConfigError(f"parallel.replicas is {self.replicas!r}; expected an integer >= 1 or unset")
-        per_replica = self.stages * self.tensor
         if self.replicas is None:
-            if size % per_replica:
-                raise ConfigError(
-                    f"{size} ranks cannot be divided into replicas of {self.stages} stage(s) x "
-                    f"{self.tensor} tensor-parallel rank(s) = {per_replica} ranks each "
-                    f"({size} is not a multiple of {per_replica})",
-                    hint=f"launch a multiple of {per_replica} ranks (e.g. mpirun -n "
-                         f"{per_replica * max(1, size // per_replica)}), or change parallel.stages / parallel.tensor")
-            return Layout(self.stages, size // per_replica, self.tensor)
-        needed = per_replica * self.replicas
+            return Layout(self.stages, replicas_of(self.stages, self.tensor, size), self.tensor)
+        needed = self.stages * self.tensor * self.replicas
         if needed != size:
             raise ConfigError(
                 f"the layout {self.stages} stage(s) x {self.replicas} replica(s) x {self.tensor} "

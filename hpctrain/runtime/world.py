@@ -6,7 +6,7 @@ for example ``srun`` without ``--mpi=pmix``, where every task believes it is ran
 
 Example::
 
-    from hpctrain.world import init_world
+    from hpctrain.runtime.world import init_world
     world = init_world()          # MPI_COMM_WORLD by default
     print(world.rank, world.size, world.node, world.device)
 """

@@ -35,6 +35,7 @@ Its tensors (``checkpoint_tensors``/``restore_tensors``) are part of every check
 """
 import logging
 
+from ..backends.base import step_optimizer
 from ..runtime.coordination import everywhere
 from ..errors import HpctrainError
 from ..runtime.flat import views
@@ -118,14 +119,21 @@ class Sync:
     def describe(self):
         return "comm.mode sync"
 
-    # ---- shared by the modes that average themselves
-    def _plain_step(self, optimizer, scaler=None):
+
+class _SelfAveraging(Sync):
+    """The modes that average themselves: the plain optimizer, no hooks that average every step (Horovod's would)."""
+
+    def __init__(self, backend, model, cfg):
+        super().__init__(backend, model, cfg)
+        self._params = [p for p in model.parameters()]
+        self._names = {id(p): n for n, p in model.named_parameters()}
+
+    def wrap_optimizer(self, optimizer, model, accumulation):
+        return optimizer
+
+    def step(self, optimizer, scaler=None):
         # Not the backend's step: the plain optimizer has no Horovod skip_synchronize.
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
+        step_optimizer(optimizer, scaler)
 
     def _grads(self):
         return [p for p in self._params if p.requires_grad]
@@ -143,66 +151,101 @@ class Sync:
         self.sent_bytes += flat.numel() * (2 if compress else flat.element_size())
 
 
-class LocalSGD(Sync):
+class OuterOptimizer:
+    """The outer optimizer of ``local_sgd`` (SlowMo/DiLoCo): the anchor, ``tensors`` (the parameters,
+    named ``names``, then the floating buffers) as they were at the last synchronisation point, moves
+    by the averaged change ``delta``, through a momentum buffer per parameter with nesterov."""
+
+    def __init__(self, cfg, tensors, names):
+        import torch
+
+        self.nesterov = cfg.outer_optimizer == "nesterov"
+        self.mu, self.lr = cfg.outer_momentum, cfg.outer_lr
+        self.tensors = tensors
+        self.names = names
+        self.anchor = None
+        self.momentum = ([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in tensors[:len(names)]]
+                         if self.nesterov else [])
+
+    def reset(self):
+        """The model as it is now becomes the anchor."""
+        import torch
+
+        if self.anchor is None:
+            self.anchor = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.tensors]
+        with torch.no_grad():
+            for a, t in zip(self.anchor, self.tensors):
+                a.copy_(t)
+
+    def changes_to(self, flat):
+        """Write ``anchor - model`` into ``flat``."""
+        for a, t, chunk in zip(self.anchor, self.tensors, views(flat, self.tensors)):
+            chunk.copy_(a - t)
+
+    def step(self, flat):
+        """Move the anchor by the averaged changes in ``flat``; the model becomes the anchor."""
+        for i, (a, t, d) in enumerate(zip(self.anchor, self.tensors, views(flat, self.tensors))):
+            d = d.to(a.dtype) if d.dtype != a.dtype else d
+            if i < len(self.momentum):  # a parameter, with nesterov
+                m = self.momentum[i]
+                m.mul_(self.mu).add_(d)
+                a.sub_(d.add(m, alpha=self.mu), alpha=self.lr)
+            else:
+                a.sub_(d)
+            t.copy_(a)
+
+    def checkpoint_tensors(self):
+        return {f"outer_momentum/{name}": m for name, m in zip(self.names, self.momentum)}
+
+    def restore_tensors(self, tensors):
+        import torch
+
+        with torch.no_grad():
+            for name, m in zip(self.names, self.momentum):
+                saved = tensors.get(f"outer_momentum/{name}")
+                if saved is None:
+                    m.zero_()
+                else:
+                    m.copy_(saved)
+        if self.anchor is not None:  # a rollback: the loaded model is the new anchor
+            self.reset()
+
+    def describe(self):
+        return f"outer nesterov lr {self.lr:g} momentum {self.mu:g}" if self.nesterov else "plain average"
+
+
+class LocalSGD(_SelfAveraging):
     """``comm.mode = "local_sgd"``: see the module docstring."""
 
     name = "local_sgd"
 
     def __init__(self, backend, model, cfg):
-        import torch
-
         super().__init__(backend, model, cfg)
         self.every = int(cfg.sync_every)
         self.warmup = int(cfg.sync_warmup)
-        self.nesterov = cfg.outer_optimizer == "nesterov"
         self.check = bool(getattr(cfg, "check_replicas", True))
-        self._params = [p for p in model.parameters()]
-        self._names = {id(p): n for n, p in model.named_parameters()}
         self._buffers = _floating([b for b in model.buffers()])
-        self._model_tensors = self._params + self._buffers
-        self._anchor = None  # the parameters and buffers at the last synchronisation point
-        self._momentum = ([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self._params]
-                          if self.nesterov else [])
+        self.outer = OuterOptimizer(cfg, self._params + self._buffers, [self._names[id(p)] for p in self._params])
         self._synced = True  # the replicas are one model now
         self.syncs = 0
         self.local_skips = 0  # local steps whose non-finite gradients this rank did not apply
 
-    def wrap_optimizer(self, optimizer, model, accumulation):
-        # The plain optimizer: no hooks that average every step (Horovod's would).
-        return optimizer
-
-    def step(self, optimizer, scaler=None):
-        self._plain_step(optimizer, scaler)
-
     def start(self, state):
-        import torch
-
         self.optimizer = state.optimizer
-        if self._anchor is None:
-            self._anchor = [torch.empty_like(t, memory_format=torch.contiguous_format)
-                            for t in self._model_tensors]
-        self._refresh_anchor()
+        self.outer.reset()
         self._synced = True
-
-    def _refresh_anchor(self):
-        import torch
-
-        with torch.no_grad():
-            for a, t in zip(self._anchor, self._model_tensors):
-                a.copy_(t)
 
     def synchronize_gradients(self, optimizer, step):
         if step <= self.warmup:
             self._average_gradients_and_buffers()
-        else:
-            if not nonfinite.grads_finite(optimizer):
-                # Local gradients: the other ranks may not agree, and the trainer's skip, rollback
-                # or stop must be the same on every rank. This rank's update is left out alone.
-                self.local_skips += 1
-                log.warning("rank %d: non-finite gradients at step %d (comm.mode local_sgd): this rank's update "
-                            "is skipped; the next average brings it back to the others", self.backend.rank, step)
-                self._synced = False
-                return False
+        elif not nonfinite.grads_finite(optimizer):
+            # Local gradients: the other ranks may not agree, and the trainer's skip, rollback
+            # or stop must be the same on every rank. This rank's update is left out alone.
+            self.local_skips += 1
+            log.warning("rank %d: non-finite gradients at step %d (comm.mode local_sgd): this rank's update "
+                        "is skipped; the next average brings it back to the others", self.backend.rank, step)
+            self._synced = False
+            return False
         self._synced = step <= self.warmup
         return True
 
@@ -213,32 +256,36 @@ class LocalSGD(Sync):
         import torch
 
         params = self._grads()
-        n_grads = sum(p.numel() for p in params)
-        n_buffers = sum(b.numel() for b in self._buffers)
         with torch.no_grad():
-            flat = torch.empty(n_grads + n_buffers, dtype=torch.float32, device=params[0].device)
-            self._grads_to(flat[:n_grads], params)
-            for b, chunk in zip(self._buffers, views(flat[n_grads:], self._buffers)):
-                chunk.copy_(b)
-            self._average_split(flat, n_grads)
-            for p, chunk in zip(params, views(flat, params)):
-                p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
-            for b, chunk in zip(self._buffers, views(flat[n_grads:], self._buffers)):
-                b.copy_(chunk)
+            grads = self._average_fused(params, lambda flat: self._grads_to(flat, params), self._buffers)
+            for p, chunk in zip(params, views(grads, params)):
+                p.grad = chunk.to(p.dtype) if p.dtype != grads.dtype else chunk
 
-    def _average_split(self, flat, n_compressible):
-        """Average ``flat`` in one collective; with fp16 compression, its first ``n_compressible``
-        elements in fp16 and the rest in fp32 apart (values that fp16 would not hold)."""
-        if self.backend.compression == "fp16" and n_compressible < flat.numel():
-            head, tail = flat[:n_compressible], flat[n_compressible:]
-            self._count(head)
-            handle = self.backend.start_average(head)
-            self.sent_bytes += tail.numel() * tail.element_size()
-            self.backend.average(tail, compress=False)
+    def _average_fused(self, head, fill, tail):
+        """One collective averages a flat buffer: the values ``fill`` writes there for the tensors
+        ``head`` (returned, averaged), then the tensors ``tail`` (averaged in place). With fp16
+        compression the head (gradients, changes: small) travels in fp16, the tail in fp32 apart:
+        fp16 would not hold it (Adam's squared moments would underflow)."""
+        import torch
+
+        n_head = sum(t.numel() for t in head)
+        flat = torch.empty(n_head + sum(t.numel() for t in tail), dtype=torch.float32, device=head[0].device)
+        front, back = flat[:n_head], flat[n_head:]
+        fill(front)
+        for t, chunk in zip(tail, views(back, tail)):
+            chunk.copy_(t)
+        if self.backend.compression == "fp16" and back.numel():
+            self._count(front)
+            handle = self.backend.start_average(front)
+            self.sent_bytes += back.numel() * back.element_size()
+            self.backend.average(back, compress=False)
             self.backend.wait_average(handle)
         else:
             self._count(flat)
             self.backend.average(flat)
+        for t, chunk in zip(tail, views(back, tail)):
+            t.copy_(chunk)
+        return front
 
     def after_step(self, step):
         """End of step ``step`` (counted from 1): average if it is a synchronisation point."""
@@ -247,7 +294,7 @@ class LocalSGD(Sync):
             if step == self.warmup:
                 # The anchor of the first local period: taken here, not at the next step, whose
                 # forward pass already changes each rank's batch-norm statistics its own way.
-                self._refresh_anchor()
+                self.outer.reset()
             return True
         if step % self.every == 0:
             self._average(f"the parameter average of step {step}")
@@ -281,34 +328,9 @@ class LocalSGD(Sync):
         """One synchronisation: the fused average, the outer step, the replica check."""
         import torch
 
-        model_part = self._model_tensors
-        opt_part = self._optimizer_state()
-        n_model = sum(t.numel() for t in model_part)
-        n_opt = sum(t.numel() for t in opt_part)
-        device = self._params[0].device
         with torch.no_grad():
-            flat = torch.empty(n_model + n_opt, dtype=torch.float32, device=device)
-            for a, t, chunk in zip(self._anchor, model_part, views(flat, model_part)):
-                chunk.copy_(a - t)
-            opt_flat = flat[n_model:]
-            for t, chunk in zip(opt_part, views(opt_flat, opt_part)):
-                chunk.copy_(t)
-            # The change is small and travels well in fp16; optimizer state (Adam's squared
-            # moments) would underflow, so with compression it goes in fp32 apart.
-            self._average_split(flat, n_model)
-            deltas = list(views(flat, model_part))
-            for i, (a, t, d) in enumerate(zip(self._anchor, model_part, deltas)):
-                d = d.to(a.dtype) if d.dtype != a.dtype else d
-                if self.nesterov and i < len(self._params):
-                    m = self._momentum[i]
-                    mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
-                    m.mul_(mu).add_(d)
-                    a.sub_(d.add(m, alpha=mu), alpha=lr)
-                else:
-                    a.sub_(d)
-                t.copy_(a)
-            for t, chunk in zip(opt_part, views(opt_flat, opt_part)):
-                t.copy_(chunk)
+            changes = self._average_fused(self.outer.tensors, self.outer.changes_to, self._optimizer_state())
+            self.outer.step(changes)
         self._synced = True
         self.syncs += 1
         if self.check:
@@ -319,46 +341,29 @@ class LocalSGD(Sync):
             # A checkpoint between synchronisation points would mix replicas.
             raise everywhere(HpctrainError("internal: a local_sgd checkpoint was asked for between "
                                            "synchronisation points"))
-        return {f"outer_momentum/{self._names[id(p)]}": m for p, m in zip(self._params, self._momentum)}
+        return self.outer.checkpoint_tensors()
 
     def restore_tensors(self, tensors):
-        import torch
-
-        with torch.no_grad():
-            for p, m in zip(self._params, self._momentum):
-                saved = tensors.get(f"outer_momentum/{self._names[id(p)]}")
-                if saved is None:
-                    m.zero_()
-                else:
-                    m.copy_(saved)
-        if self._anchor is not None:  # a rollback: the loaded model is the new anchor
-            self._refresh_anchor()
+        self.outer.restore_tensors(tensors)
         self._synced = True
 
     def describe(self):
-        outer = (f"outer nesterov lr {self.cfg.outer_lr:g} momentum {self.cfg.outer_momentum:g}"
-                 if self.nesterov else "plain average")
         warm = f" after {self.warmup} synchronous steps" if self.warmup else ""
-        return f"comm.mode local_sgd: parameters averaged every {self.every} steps{warm}, {outer}"
+        return f"comm.mode local_sgd: parameters averaged every {self.every} steps{warm}, {self.outer.describe()}"
 
 
-class Stale(Sync):
+class Stale(_SelfAveraging):
     """``comm.mode = "stale"``: see the module docstring."""
 
     name = "stale"
 
     def __init__(self, backend, model, cfg):
         super().__init__(backend, model, cfg)
-        self._params = [p for p in model.parameters()]
-        self._names = {id(p): n for n, p in model.named_parameters()}
         self._slots = [None, None]  # two gradient buffers: one travelling, one being applied
         self._slot = 0
         self._inflight = None  # (handle, flat) of the average started last step
         self._ready = None  # an averaged flat buffer not yet applied (restored from a checkpoint)
         self.applied = 0  # averages applied (a test counts them)
-
-    def wrap_optimizer(self, optimizer, model, accumulation):
-        return optimizer
 
     def _buffer(self):
         import torch
@@ -404,9 +409,6 @@ class Stale(Sync):
             p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
         self.applied += 1
 
-    def step(self, optimizer, scaler=None):
-        self._plain_step(optimizer, scaler)
-
     def end(self, step, stopped):
         """The end of training applies the pending average; a stop keeps it (it was saved)."""
         import torch
@@ -423,13 +425,7 @@ class Stale(Sync):
         self.optimizer.zero_grad()
 
     def checkpoint_tensors(self):
-        import torch
-
-        if self._inflight is not None:  # wait for it; it is still applied at the next step
-            handle, flat = self._inflight
-            self._inflight = None
-            self.backend.wait_average(handle)
-            self._ready = flat
+        self._ready = self._take_pending()  # waited for if in flight; it is still applied at the next step
         if self._ready is None:
             return {}
         params = self._grads()
@@ -439,10 +435,8 @@ class Stale(Sync):
     def restore_tensors(self, tensors):
         import torch
 
-        if self._inflight is not None:  # a rollback: what was travelling is dropped
-            self.backend.wait_average(self._inflight[0])
-            self._inflight = None
         self._ready = None
+        self._take_pending()  # a rollback: what was travelling is waited for and dropped
         params = self._grads()
         found = [tensors.get(f"pending_gradient/{self._names[id(p)]}") for p in params]
         if any(t is not None for t in found):

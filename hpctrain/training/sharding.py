@@ -35,6 +35,8 @@ to within one row.
 >>> bounds
 [(0, 9), (9, 17)]
 """
+import functools
+import itertools
 import math
 import weakref
 
@@ -62,10 +64,7 @@ def gradient_buckets(sizes, limit_elements):
     >>> gradient_buckets([4, 4, 4], 8)
     [(4, 12, [2, 1]), (0, 4, [0])]
     """
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += n
+    offsets = list(itertools.accumulate(sizes, initial=0))
     buckets, current = [], []
     for i in reversed(range(len(sizes))):
         current.append(i)
@@ -88,10 +87,7 @@ def shard_bounds(shapes, nranks):
     """``[(start, stop)]`` per rank: element ranges of the flat concatenation of tensors of
     ``shapes`` (in order), contiguous, together the whole, each boundary on a row boundary
     and nearest to an equal share (pure; the same on every rank)."""
-    offsets, total = [], 0
-    for shape in shapes:
-        offsets.append(total)
-        total += math.prod(shape)
+    *offsets, total = itertools.accumulate(map(math.prod, shapes), initial=0)
     cuts = [0]
     for r in range(1, nranks):
         target = total * r // nranks
@@ -141,79 +137,35 @@ def check_supported(optimizer, model):
                           hint="keep the parameters in fp32 (use train.precision=bf16 for mixed precision)")
 
 
-class ShardedOptimizer:
-    """The optimizer the trainer steps when ``comm.shard`` is not ``"none"``.
+class ShardGradients:
+    """A step's gradients, from the backward passes to ``part``, this rank's slice of their average
+    (``comm.shard_reduce``): a :class:`ShardedOptimizer`'s, fed by hooks on the model's parameters."""
 
-    ``optimizer``: the torch optimizer over the model's parameters, as built for a
-    replicated run; it is replaced by one of the same class and settings over this rank's
-    slice. ``stage``: ``"optimizer"`` or ``"gradients"``.
-
-    >>> opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, backend)  # doctest: +SKIP
-    >>> loss.backward(); opt.synchronize(); opt.clip_grad_norm(1.0); opt.step(); opt.zero_grad()    # doctest: +SKIP
-    """
-
-    sharded = True
-
-    def __init__(self, optimizer, model, backend, stage="optimizer", accumulation=1, reduction="auto"):
+    def __init__(self, params, offsets, part, counts, backend, stage, reduction, accumulation, max_in_flight):
         import torch
 
-        check_supported(optimizer, model)
-        check_choice("comm.shard", stage, SHARD_MODES[1:])
-        self.backend, self.model, self.stage = backend, model, stage
-        self.accumulation = max(1, int(accumulation))
-        self.rank, self.size = backend.rank, backend.size
-        group = optimizer.param_groups[0]
-        self.params = list(group["params"])
-        self.shapes = [tuple(p.shape) for p in self.params]
-        self.bounds = shard_bounds(self.shapes, self.size)
-        self.counts = [b - a for a, b in self.bounds]
-        self.offsets, total = [], 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        device = self.params[0].device
-        # The model's parameters become views of one flat buffer: the all-gather writes
-        # straight into them, and this rank's slice is the tensor its optimizer updates.
-        self.flat = torch.empty(total, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, view in zip(self.params, views(self.flat, self.params)):
-                view.copy_(p)
-                p.data = view
-        lo, hi = self.bounds[self.rank]
-        self.shard = torch.nn.Parameter(self.flat[lo:hi])
-        # The same class and settings (some group keys are not constructor arguments).
-        self.optimizer = type(optimizer)([self.shard], lr=group["lr"])
-        self.optimizer.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-        self.optimizer.defaults = dict(optimizer.defaults)
-        self.grad_flat = None
-        self._accumulated = None  # stage 2 with a reduce-scatter: this step's gradients, summed as autograd makes them
-        self.reduction = resolve_reduction(reduction, device)
+        self.params, self.offsets, self.part, self.counts, self.backend = params, offsets, part, counts, backend
+        self.stage, self.reduction, self.accumulation, self.max_in_flight = stage, reduction, accumulation, max_in_flight
+        self.numel = sum(p.numel() for p in params)
+        self._zeros = functools.partial(torch.zeros, dtype=torch.float32, device=params[0].device)
         # All-reduce buckets, started in order (the same order on every rank, as MPI needs)
         # once every gradient of the bucket has arrived from the step's last backward pass.
-        self.buckets = gradient_buckets([p.numel() for p in self.params], BUCKET_BYTES // 4)
+        self.buckets = gradient_buckets([p.numel() for p in params], BUCKET_BYTES // 4)
         self._bucket_of = {i: k for k, (_, _, members) in enumerate(self.buckets) for i in members}
-        self._arrived = [0] * len(self.buckets)
-        self._started = 0  # buckets started this step
         self._in_flight = []  # (bucket, handle) started and not yet waited for, oldest first
-        self._bucket_grads = [None] * len(self.buckets)  # stage 2: each bucket's own buffer
-        self._slice_grad = None  # stage 2: this rank's slice of the averaged gradients
-        for p in self.params:  # a model trained again (a second fit) must not feed the last optimizer
-            handle = getattr(p, "_hpctrain_shard_hook", None)
-            if handle is not None:
-                handle.remove()
+        self.grad_flat = None
+        self.zero_grad()  # the rest as between two steps: no bucket started, no buffer of stage 2
+        for p in params:  # a model trained again (a second fit) must not feed the last optimizer
+            if getattr(p, "_hpctrain_shard_hook", None) is not None:
+                p._hpctrain_shard_hook.remove()
                 p._hpctrain_shard_hook = None
         if stage == "optimizer":  # stage 1: gradients accumulate in place into one kept buffer
-            self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
-            for p, view in zip(self.params, views(self.grad_flat, self.params)):
+            self.grad_flat = self._zeros(self.numel)
+            for p, view in zip(params, views(self.grad_flat, params)):
                 p.grad = view
-        for i, p in enumerate(self.params):
-            if stage == "gradients" or self.reduction == "allreduce":
+        for i, p in enumerate(params):
+            if stage == "gradients" or reduction == "allreduce":
                 p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i))
-
-    # Stage 2 waits for the oldest bucket once this many are in flight, so that only a few
-    # buckets' full gradients exist at a time, beside this rank's slice.
-    MAX_IN_FLIGHT = 2
 
     def _on_grad(self, i):
         """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2:
@@ -224,7 +176,7 @@ class ShardedOptimizer:
         k = self._bucket_of[i]
         start = self.buckets[k][0]
         # A weak reference: the hook lives in autograd (C++), where Python's collector cannot
-        # see a cycle back to this optimizer, its buffers and the model.
+        # see a cycle back to these buffers and the model's parameters.
         ref = weakref.ref(self)
 
         def hook(p):
@@ -244,23 +196,19 @@ class ShardedOptimizer:
 
     def _whole(self):
         """The flat buffer of this step's summed local gradients (reduce-scatter, or stage 1)."""
-        import torch
-
         if self.grad_flat is not None:
             return self.grad_flat
         if self._accumulated is None:
-            self._accumulated = torch.zeros(self.numel, dtype=torch.float32, device=self.flat.device)
+            self._accumulated = self._zeros(self.numel)
         return self._accumulated
 
     def _bucket_tensor(self, k):
         """Bucket ``k``'s gradients: a view of the kept buffer (stage 1), or its own buffer (stage 2)."""
-        import torch
-
         lo, hi, _ = self.buckets[k]
         if self.grad_flat is not None:
             return self.grad_flat[lo:hi]
         if self._bucket_grads[k] is None:
-            self._bucket_grads[k] = torch.zeros(hi - lo, dtype=torch.float32, device=self.flat.device)
+            self._bucket_grads[k] = self._zeros(hi - lo)
         return self._bucket_grads[k]
 
     def _start_ready_buckets(self, all_now=False):
@@ -271,20 +219,18 @@ class ShardedOptimizer:
             handle = self.backend.start_average(self._bucket_tensor(k), name=f"hpctrain.shard.reduce.{k}")
             self._in_flight.append((k, handle))
             self._started += 1
-            while self.stage == "gradients" and len(self._in_flight) > self.MAX_IN_FLIGHT:
+            while self.stage == "gradients" and len(self._in_flight) > self.max_in_flight:
                 self._finish_oldest()
 
     def _finish_oldest(self):
         """Wait for the oldest bucket in flight; stage 2 keeps only its part of this rank's slice."""
-        import torch
-
         k, handle = self._in_flight.pop(0)
         self.backend.wait_average(handle)
         if self.grad_flat is None:
             lo, hi, _ = self.buckets[k]
-            slo, shi = self.bounds[self.rank]
+            slo, shi = self.part
             if self._slice_grad is None:
-                self._slice_grad = torch.zeros(shi - slo, dtype=torch.float32, device=self.flat.device)
+                self._slice_grad = self._zeros(shi - slo)
             a, b = max(lo, slo), min(hi, shi)
             if b > a:
                 self._slice_grad[a - slo:b - slo] = self._bucket_grads[k][a - lo:b - lo]
@@ -293,8 +239,74 @@ class ShardedOptimizer:
     def _reset_buckets(self):
         while self._in_flight:  # started but never synchronized: a collective cannot be dropped
             self._finish_oldest()
-        self._started, self._arrived = 0, [0] * len(self.buckets)
-        self._bucket_grads = [None] * len(self.buckets)
+        self._started, self._arrived = 0, [0] * len(self.buckets)  # buckets started, gradients arrived per bucket
+        self._bucket_grads = [None] * len(self.buckets)  # stage 2: each bucket's own buffer
+
+    def zero_grad(self):
+        self._reset_buckets()
+        self._slice_grad = self._accumulated = None  # stage 2's buffers (_finish_oldest, _whole)
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()  # the model's gradients stay views of it
+
+    def reduce(self):
+        """This rank's slice of the average of the summed local gradients (called under no_grad)."""
+        if self.reduction == "allreduce":
+            self._start_ready_buckets(all_now=True)  # those no backward pass completed
+            self._reset_buckets()
+            grad, self._slice_grad = self._slice_grad, None  # stage 2's
+            lo, hi = self.part
+            return grad if self.grad_flat is None else self.grad_flat[lo:hi]  # stage 1: a view of the kept buffer
+        flat, self._accumulated = self._whole(), None  # stage 2: freed once the slice is taken
+        return self.backend.reduce_scatter_mean(flat, self.counts)
+
+
+class ShardedOptimizer:
+    """The optimizer the trainer steps when ``comm.shard`` is not ``"none"``.
+
+    ``optimizer``: the torch optimizer over the model's parameters, as built for a
+    replicated run; it is replaced by one of the same class and settings over this rank's
+    slice. ``stage``: ``"optimizer"`` or ``"gradients"``.
+
+    >>> opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, backend)  # doctest: +SKIP
+    >>> loss.backward(); opt.synchronize(); opt.clip_grad_norm(1.0); opt.step(); opt.zero_grad()    # doctest: +SKIP
+    """
+
+    sharded = True
+    # Stage 2 waits for the oldest bucket once this many are in flight, so that only a few
+    # buckets' full gradients exist at a time, beside this rank's slice.
+    MAX_IN_FLIGHT = 2
+
+    def __init__(self, optimizer, model, backend, stage="optimizer", accumulation=1, reduction="auto"):
+        import torch
+
+        check_supported(optimizer, model)
+        check_choice("comm.shard", stage, SHARD_MODES[1:])
+        self.backend, self.model, self.stage = backend, model, stage
+        self.accumulation = max(1, int(accumulation))
+        self.rank, self.size = backend.rank, backend.size
+        group = optimizer.param_groups[0]
+        self.params = list(group["params"])
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.bounds = shard_bounds(self.shapes, self.size)
+        self.counts = [b - a for a, b in self.bounds]
+        *self.offsets, self.numel = itertools.accumulate((p.numel() for p in self.params), initial=0)
+        # The model's parameters become views of one flat buffer: the all-gather writes
+        # straight into them, and this rank's slice is the tensor its optimizer updates.
+        self.flat = torch.empty(self.numel, dtype=torch.float32, device=self.params[0].device)
+        with torch.no_grad():
+            for p, view in zip(self.params, views(self.flat, self.params)):
+                view.copy_(p)
+                p.data = view
+        lo, hi = self.bounds[self.rank]
+        self.shard = torch.nn.Parameter(self.flat[lo:hi])
+        # The same class and settings (some group keys are not constructor arguments).
+        self.optimizer = type(optimizer)([self.shard], lr=group["lr"])
+        self.optimizer.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer.defaults = dict(optimizer.defaults)
+        self.reduction = resolve_reduction(reduction, self.flat.device)
+        self.gradients = ShardGradients(self.params, self.offsets, (lo, hi), self.counts, backend, stage,
+                                        self.reduction, self.accumulation, self.MAX_IN_FLIGHT)
+        self.buckets = self.gradients.buckets  # the all-reduce buckets: (start, stop, [parameter indices])
 
     # ---- what the trainer uses of a torch optimizer
     @property
@@ -306,10 +318,8 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none=True):
-        self._reset_buckets()
-        self.shard.grad = self._slice_grad = self._accumulated = None
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()  # the model's gradients stay views of it
+        self.shard.grad = None
+        self.gradients.zero_grad()
 
     # ---- one step
     def synchronize(self):
@@ -318,17 +328,7 @@ class ShardedOptimizer:
         import torch
 
         with torch.no_grad():
-            if self.reduction == "allreduce":
-                self._start_ready_buckets(all_now=True)  # those no backward pass completed
-                self._reset_buckets()
-                if self.grad_flat is not None:  # a view of the kept buffer (zeroed by zero_grad)
-                    lo, hi = self.bounds[self.rank]
-                    self.shard.grad = self.grad_flat[lo:hi]
-                else:
-                    self.shard.grad, self._slice_grad = self._slice_grad, None
-            else:
-                flat, self._accumulated = self._whole(), None  # stage 2: freed once the slice is taken
-                self.shard.grad = self.backend.reduce_scatter_mean(flat, self.counts)
+            self.shard.grad = self.gradients.reduce()
 
     def grads_finite(self):
         """True on every rank if every averaged gradient is finite (one all-reduce of a flag)."""
@@ -343,7 +343,6 @@ class ShardedOptimizer:
         element, found on whichever rank holds it (the same answer on every rank)."""
         import torch
 
-        names = {id(p): n for n, p in self.model.named_parameters()}
         lo, hi = self.bounds[self.rank]
         # Always a (index, name) tuple: hvd.allgather_object names its collective after the type.
         found = (len(self.params), "")
@@ -353,7 +352,7 @@ class ShardedOptimizer:
             if grad is not None and b > a:
                 part = grad[a - lo:b - lo]
                 if not bool(torch.isfinite(part).all()):
-                    found = (i, f"{names.get(id(p), f'param{i}')} ({'NaN' if bool(torch.isnan(part).any()) else 'inf'})")
+                    found = (i, f"{self.param_names()[i]} ({'NaN' if bool(torch.isnan(part).any()) else 'inf'})")
                     break
         candidates = [f for f in self.backend.allgather_object(found) if f[1]]
         return min(candidates)[1] if candidates else "none: every element is finite, but their norm overflows"
@@ -396,7 +395,7 @@ class ShardedOptimizer:
 
     def memory(self):
         """Bytes this rank holds of parameters, gradients and optimizer state (tensor accounting)."""
-        grads = self.grad_flat.nbytes if self.grad_flat is not None else 0
+        grads = self.gradients.grad_flat.nbytes if self.gradients.grad_flat is not None else 0
         if self.shard.grad is not None and self.shard.grad._base is None:  # not a view of grad_flat
             grads += self.shard.grad.nbytes
         state = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values() if hasattr(t, "nbytes"))

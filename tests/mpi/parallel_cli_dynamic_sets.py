@@ -28,7 +28,7 @@ def main():
     loss = hp.train_step(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
     sums = [float(p.detach().sum()) for p in hp.module.parameters()]
     assert all(s == hp.grid.dp_comm.allgather(sums)[0] for s in hp.grid.dp_comm.allgather(sums))
-    print(f"RANK {world.rank} DYNAMIC SETS OK {hp.dp.backend.describe()} loss {loss:.4f}", flush=True)
+    print(f"RANK {world.rank} DYNAMIC SETS OK {hp.backend.describe()} loss {loss:.4f}", flush=True)
     world.comm.Barrier()
 
 
