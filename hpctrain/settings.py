@@ -14,7 +14,7 @@ HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0  
 HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``;
                            may run before the job is aborted, when                        ``job.relaunch`` (warns
                            ``train.step_timeout`` is 0                                    when there is none)
-HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    unset        ``runtime.failures``
+HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    unset        ``runtime.coordination``
                            to before the job ends (rank, host, kind,                      (``hpctrain launch`` sets
                            exit status, error, step)                                      it: ``RUN_DIR/failures.jsonl``)
 HPCTRAIN_MALLOC            ``reuse``: glibc keeps large blocks for reuse     unset        ``runtime.allocator``

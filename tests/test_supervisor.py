@@ -12,7 +12,8 @@ from hpctrain.commands import launch
 from hpctrain.job import diagnosis, relaunch
 from hpctrain.job.launchers import Attempt, Mpirun, Srun
 from hpctrain.job.relaunch import LaunchPlan, Supervisor
-from hpctrain.runtime import failures, slurm
+from hpctrain.runtime import coordination
+from hpctrain.runtime import slurm
 
 OMPI_KILLED = """--------------------------------------------------------------------------
 Primary job  terminated normally, but 1 process returned
@@ -111,16 +112,16 @@ def test_hang_record_and_exit_status_fallbacks():
 
 def test_record_appends_one_json_line_when_the_variable_is_set(tmp_path):
     path = tmp_path / "failures.jsonl"
-    failures.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ={})
+    coordination.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ={})
     assert not path.exists()
     env = {"HPCTRAIN_FAILURE_FILE": str(path)}
-    failures.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ=env)
-    failures.record("hang", rank=0, host="n1", status=4, step=9, environ=env)
-    first, second = failures.read_records(path)
+    coordination.record("exception", rank=3, host="n7", status=1, error="KeyError", message="boom", environ=env)
+    coordination.record("hang", rank=0, host="n1", status=4, step=9, environ=env)
+    first, second = coordination.read_records(path)
     assert (first["kind"], first["rank"], first["host"], first["error"], first["message"]) == \
         ("exception", 3, "n7", "KeyError", "boom")
     assert (second["kind"], second["step"], second["status"]) == ("hang", 9, 4)
-    assert failures.read_records(path, offset=len(path.read_text().splitlines()[0]) + 1) == [second]
+    assert coordination.read_records(path, offset=len(path.read_text().splitlines()[0]) + 1) == [second]
 
 
 def test_abort_on_exception_records_a_configuration_error(tmp_path, monkeypatch):
@@ -131,7 +132,7 @@ def test_abort_on_exception_records_a_configuration_error(tmp_path, monkeypatch)
         with abort_on_exception(None, where="n1"):
             raise ConfigError("train.lr = -1.0 must be > 0", hint="set train.lr to a positive value")
     assert exit_.value.code == 2
-    (rec,) = failures.read_records(tmp_path / "f.jsonl")
+    (rec,) = coordination.read_records(tmp_path / "f.jsonl")
     assert (rec["kind"], rec["rank"], rec["host"], rec["status"], rec["error"]) == ("error", 0, "n1", 2, "ConfigError")
 
 

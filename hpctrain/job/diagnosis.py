@@ -1,5 +1,5 @@
-"""What failed in a launch of the job: the ranks' failure records (:mod:`hpctrain.runtime.failures`)
-and the launcher's report. A rank killed by a signal writes nothing; :func:`launcher_events`
+"""What failed in a launch of the job: the ranks' failure records
+(:func:`hpctrain.runtime.coordination.record`) and the launcher's report. A rank killed by a signal writes nothing; :func:`launcher_events`
 reads which rank, host and signal from what ``mpirun`` (Open MPI) or ``srun`` printed.
 :func:`diagnose` puts both together into one :class:`Failure` and says whether relaunching can
 help (pure).

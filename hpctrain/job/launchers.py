@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from .. import settings
-from ..runtime.failures import read_records
+from ..runtime.coordination import read_records
 
 TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
 

@@ -13,7 +13,7 @@ from . import runlock
 
 CONFIG_FILE = "config.toml"  # the resolved configuration
 METRICS_FILE = "metrics.jsonl"  # hpctrain.monitoring writes it; hpctrain launch adds its restarts
-FAILURE_FILE = "failures.jsonl"  # HPCTRAIN_FAILURE_FILE under hpctrain launch (hpctrain.runtime.failures)
+FAILURE_FILE = "failures.jsonl"  # HPCTRAIN_FAILURE_FILE under hpctrain launch (hpctrain.runtime.coordination.record)
 CHECKPOINTS = "checkpoints"  # unless checkpoint.directory says otherwise
 
 

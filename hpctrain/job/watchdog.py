@@ -176,7 +176,7 @@ class Watchdog:
     def _record(self, label, seconds):
         """The hang, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``)."""
         from ..runtime.world import node_name
-        from ..runtime.failures import record
+        from ..runtime.coordination import record
 
         step = label if isinstance(label, int) else None
         try:

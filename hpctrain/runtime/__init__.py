@@ -1,5 +1,5 @@
 """What a process of the job stands on: who it is in the MPI world (:mod:`.world`), what it may
 use of its node (:mod:`.system`, :mod:`.allocator`), Slurm (:mod:`.slurm`), durable files
 (:mod:`.fsutil`), flat buffers (:mod:`.flat`), rank-0 decisions and failures
-(:mod:`.coordination`, :mod:`.failures`), and whether the replicas are one model
+(:mod:`.coordination`), and whether the replicas are one model
 (:mod:`.replicas`)."""
