@@ -3,8 +3,7 @@
 >>> from hpctrain import Trainer, load_config                       # doctest: +SKIP
 >>> Trainer(load_config("examples/digits.toml")).fit()               # doctest: +SKIP
 
-Names are imported on first use, so ``import hpctrain`` (and ``hpctrain --help``) does not
-load torch, mpi4py or h5py.
+Names are imported on first use: ``import hpctrain`` (and ``hpctrain --help``) loads no torch, mpi4py or h5py.
 """
 import importlib
 

@@ -37,9 +37,8 @@ def build_parser():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train":
-        # First, before the slow imports (torch, mpi4py) and MPI start: a warning signal that
-        # arrives while this rank is still starting must set the stop flag, not kill it
-        # (SIGUSR1's default action). The trainer's own install() keeps the flag.
+        # Before the slow imports (torch, mpi4py) and MPI start: a warning signal during start-up must set the
+        # stop flag, not kill the rank (SIGUSR1's default action). The trainer's install() keeps the flag.
         from .job import preemption
         preemption.install()
     parser = build_parser()

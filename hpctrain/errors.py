@@ -1,7 +1,5 @@
-"""The exceptions hpctrain raises for user-facing problems.
-
-Every message says what was found, what was expected, and (after ``HINT:``) the fix.
-"""
+"""The exceptions hpctrain raises for user-facing problems: every message says what was found, what was
+expected, and (after ``HINT:``) the fix."""
 
 # Exit statuses of `hpctrain train` (README, "Exit status"); ``hpctrain launch`` restarts on
 # some of them and not on others (:mod:`hpctrain.job.diagnosis`).

@@ -3,14 +3,11 @@
 =========================  ================================================  ===========  ==============================
 variable                   meaning                                           default      read by
 =========================  ================================================  ===========  ==============================
-HPCTRAIN_BACKEND           communication backend: ``horovod`` or ``mpi``;    ``horovod``  ``config.loading``;
-                           overrides the TOML file's ``comm.backend`` (a                  ``commands.doctor``
-                           ``comm.backend=...`` override wins)
-HPCTRAIN_RUN_ROOT          where run directories are created, when the       ``./runs``   ``job.rundir``
-                           config sets neither ``run.run_dir`` nor
-                           ``run.root``
-HPCTRAIN_CKPT_SERIAL       1: rank 0 writes/reads checkpoints alone          0            ``checkpoint.commit``
-                           (no MPI-IO)
+HPCTRAIN_BACKEND           ``horovod`` or ``mpi``; beats the TOML file's     ``horovod``  ``config.loading``;
+                           ``comm.backend``, loses to ``comm.backend=...``                ``commands.doctor``
+HPCTRAIN_RUN_ROOT          where run directories go, when the config sets    ``./runs``   ``job.rundir``
+                           neither ``run.run_dir`` nor ``run.root``
+HPCTRAIN_CKPT_SERIAL       1: only rank 0 does checkpoint I/O (no MPI-IO)    0            ``checkpoint.commit``
 HPCTRAIN_WATCHDOG_TIMEOUT  seconds a step or another collective phase      0 (off)      ``job.watchdog``;
                            may run before the job is aborted, when                        ``job.relaunch`` (warns
                            ``train.step_timeout`` is 0                                    when there is none)
@@ -29,11 +26,9 @@ The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN
 Launcher variables describe the job, not hpctrain, and are read where they are interpreted:
 
 * :mod:`hpctrain.runtime.world`: ``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_RANK}``, ``PMI_{SIZE,RANK,FD}``,
-  ``PMIX_RANK``, ``MPI_LOCALRANKID`` (launcher, rank, size) and ``OMP_NUM_THREADS`` (torch threads
-  per rank);
-* :mod:`hpctrain.runtime.slurm`: every ``SLURM_*`` variable and ``SLURMD_NODENAME`` (the job and
-  step ids, a task's rank, the node list, the requeue id inside a job array, the restart count).
-"""
+  ``PMIX_RANK``, ``MPI_LOCALRANKID`` (launcher, rank, size) and ``OMP_NUM_THREADS`` (torch threads per rank);
+* :mod:`hpctrain.runtime.slurm`: every ``SLURM_*`` variable and ``SLURMD_NODENAME`` (the job and step ids, a
+  task's rank, the node list, the requeue id inside a job array, the restart count)."""
 import os
 
 PREFIX = "HPCTRAIN_"

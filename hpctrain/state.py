@@ -6,12 +6,9 @@ from typing import Any, Dict, Optional
 
 @dataclass
 class Progress:
-    """Where the run is. Everything here is the same on every rank.
-
-    ``samples_in_epoch`` counts global samples of the current epoch already consumed, so a
-    run can resume mid-epoch on a different number of ranks. Random numbers are re-seeded
-    from ``(seed, step, rank)`` at every step, so no generator state is needed to resume.
-    """
+    """Where the run is, the same on every rank. ``samples_in_epoch`` counts global samples of the current
+    epoch already consumed, so a run can resume mid-epoch on a different number of ranks. Random numbers are
+    re-seeded from ``(seed, step, rank)`` at every step, so no generator state is needed to resume."""
 
     step: int = 0
     epoch: int = 0

@@ -229,6 +229,28 @@ def test_a_nan_refused_by_the_serial_writer_leaves_a_file_without_a_checkpoint(t
         assert int(f.attrs[fmt.METADATA_CRC_ATTR]) != 0
 
 
+
+def test_the_serial_writers_failures_name_the_dataset_and_the_fix(tmp_path, monkeypatch):
+    """Rank 0 writing alone: a full disk while writing a dataset, or a file that cannot be
+    created, is a CheckpointError naming what failed and how to fix it."""
+    import errno
+
+    from hpctrain.checkpoint import writer
+    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+    from hpctrain.errors import CheckpointError
+
+    snap = Snapshot([Entry("model/a", np.ones((4, 4), np.float32), {fmt.DTYPE_ATTR: "float32"})], {}, {})
+
+    def full(d, rank):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "region_to_write", full)
+    with pytest.raises(CheckpointError, match=r"/model/a: OSError(.|\n)*HINT: the file system is full"):
+        writer.write_serial(str(tmp_path / "ckpt-00000001.h5.tmp"), ckplan.plan_snapshot(snap, 1, 0))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"writing .*/nowhere/ckpt.h5 failed(.|\n)*HINT: the previous checkpoint"):
+        writer.write_serial(str(tmp_path / "nowhere" / "ckpt.h5"), ckplan.plan_snapshot(snap, 1, 0))
+
 def test_all_finite_per_dtype_as_stored():
     """NaN and infinity are found in every floating dtype, also those stored as raw bits."""
     import torch

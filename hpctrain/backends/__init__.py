@@ -1,8 +1,7 @@
-"""Communication backends: the one place where one is chosen.
-
-``horovod`` (default): Horovod's ``DistributedOptimizer`` (ring all-reduce with tensor fusion,
-overlapping the backward pass). ``mpi``: plain mpi4py all-reduce of fused gradient buffers,
-for machines without Horovod. Both implement :class:`hpctrain.backends.base.Backend`.
+"""Communication backends: the one place where one is chosen. ``horovod`` (default): Horovod's
+``DistributedOptimizer`` (ring all-reduce with tensor fusion, overlapping the backward pass). ``mpi``: plain
+mpi4py all-reduce of fused gradient buffers, for machines without Horovod. Both implement
+:class:`hpctrain.backends.base.Backend`.
 
 >>> backend = get_backend("mpi", world, compression="fp16")     # doctest: +SKIP
 """
@@ -14,15 +13,12 @@ __all__ = ["Backend", "backend_class", "get_backend"]
 
 
 def get_backend(name, world, compression="none", gradient_predivide_factor=1.0):
-    """Create and initialise the backend called ``name`` for ``world``.
-
-    Raises :class:`~hpctrain.errors.BackendUnavailable` when it is not installed, and
-    :class:`~hpctrain.errors.ConfigError` for an unknown name.
-    """
+    """Create and initialise the backend called ``name`` for ``world``. Raises
+    :class:`~hpctrain.errors.BackendUnavailable` when it is not installed, and
+    :class:`~hpctrain.errors.ConfigError` for an unknown name."""
     from ..runtime.coordination import all_or_none
 
-    # Agree first that every rank can load it: a rank without Horovod must not leave the
-    # others waiting inside hvd.init().
+    # Agree first that every rank can load it: one without Horovod must not leave the others in hvd.init().
     cls = all_or_none(lambda: backend_class(name), world.comm)
     return cls(world, compression=compression, gradient_predivide_factor=gradient_predivide_factor)
 

@@ -1,6 +1,4 @@
-"""The communication backend interface the trainer talks to.
-
-A training step with any backend::
+"""The communication backend interface the trainer talks to. A training step with any backend::
 
     optimizer = backend.distributed_optimizer(optimizer, model, accumulation)
     backend.broadcast_state(model, optimizer)        # rank 0's weights and optimizer state
@@ -11,8 +9,7 @@ A training step with any backend::
     optimizer.zero_grad()
 
 The helpers (``allreduce_mean``, ``broadcast_object``, ``allgather_object``, ``barrier``)
-are for metrics and small control data, not for gradients.
-"""
+are for metrics and small control data, not for gradients."""
 
 
 class Backend:
@@ -35,11 +32,8 @@ class Backend:
 
     # ---- gradients
     def distributed_optimizer(self, optimizer, model, accumulation=1):
-        """Return the optimizer to train with (possibly a wrapper of ``optimizer``).
-
-        Gradients are averaged over ranks once every ``accumulation`` backward passes; in
-        between they are summed locally.
-        """
+        """Return the optimizer to train with (possibly a wrapper of ``optimizer``). Gradients are averaged
+        over ranks once every ``accumulation`` backward passes; in between they are summed locally."""
         raise NotImplementedError
 
     def broadcast_state(self, model, optimizer, root=0):
@@ -84,10 +78,9 @@ class Backend:
 
     # ---- averaging of flat buffers (comm.mode local_sgd and stale, hpctrain.training.comm_modes)
     def start_average(self, flat, compress=True, name=None):
-        """Start averaging the 1-D tensor ``flat`` over all ranks, in place, without waiting;
-        returns a handle for :meth:`wait_average`. ``compress``: send it as the backend's
-        ``compression`` says (fp16 on the wire); False: as it is. ``name``: unique among the
-        averages in flight (Horovod matches them by name)."""
+        """Start averaging the 1-D tensor ``flat`` over all ranks, in place, without waiting; returns a handle
+        for :meth:`wait_average`. ``compress``: send it as the backend's ``compression`` says (fp16 on the
+        wire); False: as it is. ``name``: unique among the averages in flight (Horovod matches by name)."""
         raise NotImplementedError
 
     def wait_average(self, handle):
@@ -98,7 +91,7 @@ class Backend:
         """Average ``flat`` over all ranks in place (one collective); returns it."""
         return self.wait_average(self.start_average(flat, compress))
 
-    # ---- sharded training (comm.shard, hpctrain.sharding)
+    # ---- sharded training (comm.shard, hpctrain.training.sharding)
     def reduce_scatter_mean(self, flat, counts):
         """Average the 1-D ``flat`` over ranks; return this rank's part of the result: the
         ``counts[rank]`` elements after ``sum(counts[:rank])`` (parts may differ in size)."""

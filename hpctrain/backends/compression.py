@@ -1,16 +1,14 @@
-"""Gradient compressors for the mpi4py backend: what goes on the wire.
+"""Gradient compressors for the mpi4py backend: what goes on the wire. A compressor is stateless:
+``compress(t) -> (wire, ctx)`` and ``decompress(wire, ctx) -> t``; ``ctx`` carries what ``decompress`` needs
+to restore the original (here: the dtype).
 
-A compressor is stateless: ``compress(t) -> (wire, ctx)`` and ``decompress(wire, ctx) -> t``.
-``ctx`` carries what ``decompress`` needs to restore the original (here: the dtype).
-
->>> from hpctrain.backends.compression import get_compressor      # doctest: +SKIP
+>>> import torch
 >>> fp16 = get_compressor("fp16")
->>> wire, ctx = fp16.compress(grad)                      # float32 -> float16
->>> grad_again = fp16.decompress(wire, ctx)              # float16 -> float32
+>>> wire, ctx = fp16.compress(torch.ones(3))              # float32 -> float16
+>>> wire.dtype, fp16.decompress(wire, ctx).dtype
+(torch.float16, torch.float32)
 
-The Horovod backend uses Horovod's own compressors (``hvd.Compression``), chosen by the
-same names.
-"""
+The Horovod backend uses Horovod's own compressors (``hvd.Compression``), chosen by the same names."""
 from ..config.schema import COMPRESSIONS
 from ..errors import ConfigError
 
@@ -30,11 +28,8 @@ class NoneCompressor:
 
 
 class FP16Compressor:
-    """Sends floating-point tensors as float16: half the bytes, about 3 significant digits.
-
-    Sums of many large gradients can overflow float16 (max 65504); divide before summing
-    (``comm.gradient_predivide_factor``) when that happens.
-    """
+    """Sends floating-point tensors as float16: half the bytes, about 3 significant digits. Sums of many large
+    gradients can overflow float16 (max 65504): then divide first (``comm.gradient_predivide_factor``)."""
 
     name = "fp16"
 

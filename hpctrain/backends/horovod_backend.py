@@ -1,14 +1,12 @@
-"""Horovod backend: ``hvd.DistributedOptimizer`` (ring all-reduce, tensor fusion, overlap
-of communication with the backward pass). The only module of hpctrain that imports horovod.
-"""
+"""Horovod backend: ``hvd.DistributedOptimizer`` (ring all-reduce, tensor fusion, overlap of communication
+with the backward pass). The only module of hpctrain that imports horovod."""
 from ..errors import BackendUnavailable, ConfigError
 from .base import Backend, allgather_in_place
 
 
-# Horovod's background thread gathers ready tensors once per cycle (Horovod's default: 1 ms),
-# which puts a floor under every small all-reduce. Measured here (2 ranks, one core each,
-# docs/performance.md): 0.2 ms cut a 256 KiB all-reduce from about 1 ms to 0.2-0.5 ms and
-# 1-4 MiB by a third, and left the training step as it was.
+# Horovod's background thread gathers ready tensors once per cycle (Horovod's default: 1 ms): a floor under
+# every small all-reduce. Measured here (2 ranks, one core each, docs/performance.md): 0.2 ms cut a 256 KiB
+# all-reduce from about 1 ms to 0.2-0.5 ms and 1-4 MiB by a third, and left the training step unchanged.
 CYCLE_MS = 0.2
 _cycle = None  # what the cycle is and who chose it, as the run's first lines say it
 
@@ -50,9 +48,8 @@ def build_info():
         {"frameworks": ["PyTorch"], "controllers": ["MPI", "Gloo"], "tensor_operations": [...],
          "cuda": False, "nccl": False}
 
-    Raises what importing ``horovod.torch`` raises (``ImportError``, or ``OSError`` for a
-    build that no longer loads), so that the doctor can show the import error itself.
-    """
+    Raises what importing ``horovod.torch`` raises (``ImportError``, or ``OSError`` for a build that no longer
+    loads), so that the doctor can show the import error itself."""
     import horovod.torch as hvd
 
     return {
@@ -107,9 +104,8 @@ def nccl_sharing_error(groups, nodes):
 
 
 def refuse_shared_gpus(hvd, world, identity=gpu_identity):
-    """Under NCCL, stop every rank with the fix where ranks share a GPU. Collective: every
-    rank takes part, so every rank raises the same error, before NCCL would fail inside
-    Horovod's background thread at the first all-reduce."""
+    """Under NCCL, stop every rank with the fix where ranks share a GPU. Collective: every rank raises the
+    same error, before NCCL would fail in Horovod's background thread at the first all-reduce."""
     if not (world.device.startswith("cuda") and hvd.nccl_built()):
         return
     placements = world.comm.allgather((world.node, identity(world.device)))
@@ -187,8 +183,7 @@ class HorovodBackend(Backend):
         self.hvd.start_timeline(path, mark_cycles=False)
 
     def close(self):
-        # Horovod shuts down at exit; shutting down here would break a second Trainer in
-        # the same process.
+        # Horovod shuts down at exit; shutting down here would break a second Trainer in the same process.
         pass
 
     # ---- averaging of flat buffers (comm.mode local_sgd and stale)
@@ -211,9 +206,8 @@ class HorovodBackend(Backend):
 
 
     # ---- sharded training (comm.shard, hpctrain.training.sharding)
-    # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing: each
-    # rank's part travels padded to the longest, as one row of a (ranks x longest) tensor, so
-    # the parts can be cut anywhere.
+    # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing: each rank's part travels
+    # padded to the longest, as one row of a (ranks x longest) tensor, so the parts can be cut anywhere.
     def _padded(self, flat, counts):
         padded = flat.new_zeros(len(counts), max(max(counts), 1))
         lo = 0
@@ -230,10 +224,9 @@ class HorovodBackend(Backend):
         return out.reshape(-1)[:counts[self.rank]].clone()
 
     def allgather_flat(self, flat, counts):
-        # hvd.allgather returns a new tensor (a whole-model temporary, then a copy back).
-        # CPU tensors: MPI's in-place Allgatherv on the world communicator (Horovod runs its
-        # own duplicate of it, so the two never meet): 3-7 ms for 100 MB on 2 ranks, against
-        # 16 ms for the broadcasts below and 58 ms for hvd.allgather.
+        # hvd.allgather returns a new tensor (a whole-model temporary, then a copy back): 58 ms for 100 MB on
+        # 2 ranks, against 16 ms for the broadcasts below and 3-7 ms for MPI's in-place Allgatherv on the
+        # world communicator (CPU tensors; Horovod runs its own duplicate of it, so the two never meet).
         if flat.device.type == "cpu" and self.process_set is None:
             allgather_in_place(self.world.comm, flat, counts)
         else:
@@ -255,16 +248,12 @@ class HorovodBackend(Backend):
 
 
 class HorovodProcessSetBackend(HorovodBackend):
-    """Gradient averaging among a group of ranks (a Horovod process set), e.g. the replicas
-    of one pipeline stage. ``groups``: every group of the job as lists of world ranks, the
-    same on every rank (Horovod registers process sets collectively); this rank averages
-    within the group that holds it. Small collectives (``allreduce_mean``, ...) still span
-    the whole world.
-
-    Registered at ``hvd.init(comm=..., process_sets=...)`` when this is the first use of
-    Horovod in the process; if Horovod is already running, the sets can only be added with
-    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (set before the first ``hvd.init``).
-    """
+    """Gradient averaging among a group of ranks (a Horovod process set), e.g. the replicas of one pipeline
+    stage. ``groups``: every group of the job as lists of world ranks, the same on every rank (Horovod
+    registers process sets collectively); this rank averages within its own group. Small collectives
+    (``allreduce_mean``, ...) still span the whole world. Registered at ``hvd.init(comm=...,
+    process_sets=...)`` when Horovod is first used in the process; if Horovod is already running, the sets can
+    only be added with ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` (set before the first ``hvd.init``)."""
 
     def __init__(self, world, groups, compression="none", gradient_predivide_factor=1.0):
         Backend.__init__(self, world, compression, gradient_predivide_factor)

@@ -1,9 +1,6 @@
-"""mpi4py backend: gradients copied into a few fused flat buffers, compressed
-(:mod:`hpctrain.compression`), summed with ``MPI_Allreduce`` on numpy views, averaged.
-
-Simpler than Horovod: the all-reduce starts after the last backward pass instead of
-overlapping with it. Needs nothing beyond mpi4py, so it runs wherever hpctrain does.
-"""
+"""mpi4py backend: gradients copied into a few fused flat buffers, compressed (:mod:`.compression`), summed
+with ``MPI_Allreduce`` on numpy views, averaged. Simpler than Horovod: the all-reduce starts after the last
+backward pass, not overlapping it. Needs nothing beyond mpi4py, so it runs wherever hpctrain does."""
 import warnings
 
 import numpy as np
@@ -18,9 +15,8 @@ FUSION_BYTES = 64 * 2 ** 20
 
 
 def _fp16_sum(inbuf, inoutbuf, datatype):
-    # MPI has no float16 type: the buffers travel as 16-bit integers, summed here as float16.
-    # torch, not numpy: numpy's float16 arithmetic is scalar code, ~40x slower, and this
-    # runs on every received segment.
+    # MPI has no float16 type: the buffers travel as 16-bit integers, summed here as float16. torch, not
+    # numpy: numpy's float16 arithmetic is scalar code, ~40x slower, and this runs on every received segment.
     import torch
 
     b = np.frombuffer(inoutbuf, dtype=np.float16)
@@ -94,9 +90,8 @@ class _GradientBuckets:
         else:
             flat = backend.compressor.decompress(wire, ctx)
         flat.div_(backend.size / backend.gradient_predivide_factor)
-        # The gradients become views of the reduced buffer instead of being copied back
-        # (as DDP's gradient_as_bucket_view); zero_grad() drops the views, and the next
-        # backward pass makes fresh gradients that are copied in above.
+        # The gradients become views of the reduced buffer, not copies (as DDP's gradient_as_bucket_view);
+        # zero_grad() drops the views, and the next backward pass makes fresh gradients, copied in above.
         for p, chunk in zip(bucket, views(flat, bucket)):
             p.grad = chunk
 
@@ -207,7 +202,7 @@ class MPIBackend(Backend):
         flat.div_(self.size)
         return flat
 
-    # ---- sharded training (comm.shard, hpctrain.sharding)
+    # ---- sharded training (comm.shard, hpctrain.training.sharding)
     def reduce_scatter_mean(self, flat, counts):
         # MPI_Reduce_scatter takes a count per rank, so uneven parts need no padding.
         import torch
@@ -226,7 +221,7 @@ class MPIBackend(Backend):
         return out.div_(self.size / f)
 
     def allgather_flat(self, flat, counts):
-        # The parameters' flat buffer is float32 (hpctrain.sharding checks it).
+        # The parameters' flat buffer is float32 (hpctrain.training.sharding checks it).
         allgather_in_place(self.comm, flat, counts)
 
     def broadcast_tensor(self, tensor, root=0):

@@ -12,10 +12,11 @@ def describe_error(exc):
 def agree(errors, comm, path, what):
     """Raise the same CheckpointError on every rank if any rank has errors."""
     raise_if_any(errors, comm, lambda problems: CheckpointError(
-        f"{what} {path} failed:\n  " + "\n  ".join(problems[:20]), hint=_hint(problems)))
+        f"{what} {path} failed:\n  " + "\n  ".join(problems[:20]), hint=hint_for(problems)))
 
 
-def _hint(problems):
+def hint_for(problems):
+    """The fix for what the ranks report (a full disk, permissions), as a HINT."""
     text = " ".join(problems)
     if "No space left" in text or "ENOSPC" in text or "errno = 28" in text:
         return "the file system is full: free space, lower checkpoint.keep_last, or point checkpoint.directory elsewhere"

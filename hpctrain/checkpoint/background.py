@@ -1,10 +1,6 @@
-"""``checkpoint.async_save``: the write, verification and commit of a save in a thread, while
-training goes on; the training thread has taken the copy first (:func:`.plan.copy_own_pieces`).
-
-The thread runs below the training's priority and on a communicator of its own (the writer's
-collectives never meet training's). Its error reaches the training thread at :meth:`wait`,
-the same on every rank.
-"""
+"""``checkpoint.async_save``: a save's write, verification and commit in a thread, while training goes on; the
+training thread has taken the copy first (:func:`.plan.copy_own_pieces`). The thread runs below training's
+priority, on a communicator of its own; its error is raised at :meth:`BackgroundWriter.wait`."""
 import atexit
 import logging
 import os
@@ -15,12 +11,10 @@ from . import commit
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-# An async save's writer (and the fsync and writeback threads it starts, which inherit it)
-# runs this much nicer than the training, so that the training threads come first where they
-# share a core with it. Measured on one rank pinned to one core (1.07 GiB): the steps during
-# a save waited 2.4-2.5 s on the run queue with the writer at the training's priority,
-# 0.26-0.27 s at +10, while the save itself took longer. Given a core of its own the writer
-# barely touches the training either way (docs/performance.md).
+# Runs the async writer (and the fsync and writeback threads it starts, which inherit it) below training, so
+# training's threads come first on a shared core. Measured on one rank pinned to one core (1.07 GiB): steps
+# during a save waited 2.4-2.5 s on the run queue with the writer at training's priority, 0.26-0.27 s at +10,
+# the save taking longer. On its own core the writer barely touches training either way (docs/performance.md).
 WRITER_NICE = 10
 
 
@@ -47,9 +41,9 @@ def threads_ok(is_root):
 
 
 class BackgroundWriter:
-    """One save at a time in a thread. ``buffers``: the host copies of the last save's pieces,
-    reused by the next (fresh memory costs a page fault per page); ``written``: the seconds the
-    last write took, once it is durable (for ``checkpoint.auto_interval``)."""
+    """One save at a time in a thread. ``buffers``: host copies of the last save's pieces, reused by the next
+    (fresh memory costs a page fault per page); ``written``: seconds the last write took, once durable (for
+    ``checkpoint.auto_interval``)."""
 
     def __init__(self, comm):
         self.comm = comm

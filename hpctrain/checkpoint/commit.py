@@ -1,12 +1,9 @@
-"""The one pipeline every save goes through, data-parallel, sharded or split model: rank 0
-checks the directory and names a temp file (:func:`prepare`); every rank writes its share of
-it and the ranks re-read and compare the checksums while every rank fsyncs it
-(:func:`write_verified`); rank 0 renames it into place and fsyncs the directory
-(:func:`rename_into_place`), then moves ``latest`` the same way and applies the retention
-(:func:`publish`, :class:`Retention`). A failure at any point, on any rank, raises
-:class:`CheckpointError` on all ranks, removes the temp file and leaves the previous
-checkpoint and ``latest`` as they were.
-"""
+"""The one pipeline of every save, data-parallel, sharded or split model: rank 0 checks the directory and
+names a temp file (:func:`prepare`); every rank writes its share of it, and the ranks re-read and compare the
+checksums while every rank fsyncs it (:func:`write_verified`); rank 0 renames it into place and fsyncs the
+directory (:func:`rename_into_place`), then moves ``latest`` the same way and applies the retention
+(:func:`publish`, :class:`Retention`). A failure on any rank raises :class:`CheckpointError` on all, removes
+the temp file and leaves the previous checkpoint and ``latest`` as they were."""
 import logging
 import os
 
@@ -53,8 +50,7 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
             checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
         finally:
             stop_writeback()
-        # Every rank fsyncs the file while the ranks re-read and checksum it: the disk
-        # writes back while the CPUs verify, instead of one after the other.
+        # Every rank fsyncs while the ranks re-read and checksum: the disk writes back while the CPUs verify.
         synced = writer.sync_started(tmp, parallel, comm.Get_rank())
         try:
             if verify:

@@ -1,6 +1,5 @@
-"""The checkpoint directory of a run: its files (``ckpt-<step>.h5``, ``latest``), the branches a
-resume leaves behind (``abandoned/``), and what a killed save left (temp files). Rank 0 only;
-nothing here is collective."""
+"""The checkpoint directory of a run: its files (``ckpt-<step>.h5``, ``latest``), the branches a resume leaves
+behind (``abandoned/``), and what a killed save left (temp files). Rank 0 only; nothing is collective."""
 import logging
 import os
 import time
@@ -71,9 +70,8 @@ def remove_stale_temps(directory):
 
 
 def candidates(directory):
-    """Checkpoints of the current branch, newest first. ``latest`` is not trusted over
-    the directory: a save whose ``latest`` update failed left a newer complete file, and
-    every file here belongs to the current branch (abandoned ones were moved aside)."""
+    """Checkpoints of the current branch, newest first. ``latest`` is not trusted over the directory: a save
+    whose ``latest`` update failed left a newer complete file, and abandoned branches were moved aside."""
     found = scan(directory)
     latest = read_latest(directory)
     if latest is not None and found and latest != found[0][1]:
@@ -84,11 +82,10 @@ def candidates(directory):
 
 
 def start_branch(directory, path, step):
-    """After loading ``path`` (step ``step``): the run continues from there, so checkpoints of
-    ``directory`` at ``step`` or later (other than ``path``) belong to an abandoned branch. They
-    are moved to ``abandoned/<time>-from-<step>/`` with a ``branch.json`` record: never resumed
-    automatically, never deleted by retention. ``latest`` names ``path`` first, so a crash
-    half-way is repeated by the next resume."""
+    """After loading ``path`` (step ``step``): checkpoints of ``directory`` at ``step`` or later (other than
+    ``path``) belong to the branch the run left. They move to ``abandoned/<time>-from-<step>/`` with a
+    ``branch.json`` record, never resumed automatically nor deleted by retention. ``latest`` names ``path``
+    first, so the next resume finishes what a crash cut short."""
     try:
         _move_newer(directory, path, step)
     except OSError as exc:

@@ -1,9 +1,7 @@
-"""The checkpoint file format: names, layout, version, dtype encoding, checksums, and how
-datasets are shared out among ranks. Pure functions (numpy only): no MPI, no h5py, no torch
-at import time, so the fast unit tests and ``hpctrain ckpt`` on a login node can use them.
-
-The layout is documented in ``docs/checkpoint-format.md``; keep the two in step.
-"""
+"""The checkpoint file format: names, layout, version, dtype encoding, checksums, and how datasets are shared
+out among ranks. Pure functions (numpy only): no MPI, no h5py, no torch at import time, so the fast unit tests
+and ``hpctrain ckpt`` on a login node can use them. ``docs/checkpoint-format.md`` documents the layout too;
+keep the two in step."""
 import json
 import math
 import re
@@ -13,9 +11,9 @@ from ..errors import CheckpointError
 
 FORMAT_NAME = "hpctrain-checkpoint"
 FORMAT_VERSION = 2
-# Versions this code can read. A newer writer bumps FORMAT_VERSION; old readers refuse it.
-# Version 2 added the metadata checksum (METADATA_CRC_ATTR), which a version-2 file must have;
-# version-1 files are still read, with a warning that their attributes are unchecked.
+# Versions this code can read. A newer writer bumps FORMAT_VERSION; old readers refuse it. Version 2 added the
+# metadata checksum (METADATA_CRC_ATTR), which a version-2 file must have; version-1 files are still read,
+# with a warning that their attributes are unchecked.
 READABLE_VERSIONS = (1, 2)
 
 MODEL = "model"
@@ -27,15 +25,13 @@ RNG = "trainer/rng"
 LATEST = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 
-# Tensors of at least this many bytes are split along axis 0 across all ranks; smaller ones
-# go whole to the least-loaded rank. Below ~1 MiB one collective per rank costs more than
-# the bytes it would save.
+# Tensors from this size on are split along axis 0 across all ranks (plan_pieces): below ~1 MiB one collective
+# per rank costs more than the bytes it would save.
 SPLIT_BYTES = 1 << 20
 
 CRC_ATTR = "crc32"
 DTYPE_ATTR = "dtype"
-# Root attribute: CRC-32 of metadata_text(), i.e. of every attribute and every dataset's
-# shape and stored dtype (format version 2).
+# Root attribute (version 2): CRC-32 of metadata_text(): every attribute, dataset shape and stored dtype.
 METADATA_CRC_ATTR = "metadata_crc32"
 
 # Where a run's abandoned branches are kept, inside the checkpoint directory.
@@ -75,8 +71,7 @@ def param_name(key):
 
 
 # ---------------------------------------------------------------- dtypes
-# torch dtypes numpy has no type for are stored as raw bits of the same width, with the
-# real dtype in the dataset's ``dtype`` attribute.
+# torch dtypes without a numpy type: raw bits of the same width; the ``dtype`` attribute names the real one.
 RAW_STORAGE = {
     "bfloat16": "uint16",
     "float8_e4m3fn": "uint8",
@@ -93,9 +88,9 @@ def storage_dtype(torch_dtype_name):
 
 
 # ---------------------------------------------------------------- checksums
-# The checksum of a dataset is the standard CRC-32 (zlib.crc32) of its raw little-endian
-# bytes in C order, so anyone can check it with ``zlib.crc32(f[path][()].tobytes())``.
-# Ranks checksum their own slices; crc32_combine joins slices in order without the bytes.
+# A dataset's checksum: the standard CRC-32 (zlib.crc32) of its raw little-endian C-order bytes, so anyone can
+# check it with ``zlib.crc32(f[path][()].tobytes())``. Ranks checksum their own slices; crc32_combine joins
+# them in order without the bytes.
 
 def _gf2_times(matrix, vector):
     out, i = 0, 0
@@ -140,10 +135,8 @@ def crc32_combine(crc_a, crc_b, len_b):
 
 
 def combine_pieces(pieces):
-    """CRC-32 of a dataset from ``[(byte_offset, nbytes, crc)]`` pieces, in any order.
-
-    The pieces must tile the dataset's bytes exactly; a gap or overlap is a bug.
-    """
+    """CRC-32 of a dataset from ``[(byte_offset, nbytes, crc)]`` pieces, in any order; they must tile its
+    bytes exactly (a gap or overlap is a bug)."""
     crc, expected = 0, 0
     for offset, nbytes, piece_crc in sorted(pieces):
         if offset != expected:
@@ -177,11 +170,10 @@ def crc32_bytes(array):
 
 
 # ---------------------------------------------------------------- the metadata checksum
-# Attributes are outside the per-dataset CRCs, yet resume reads them (step, learning rates,
-# optimizer state values). One CRC-32 covers them all: of a canonical JSON text of every
-# attribute of ``/``, of every group with attributes, and of every dataset (its attributes,
-# shape and stored dtype). Writer and reader build the text from the values, not the bytes
-# HDF5 stores, so any reader can recompute it (docs/checkpoint-format.md).
+# Attributes are outside the per-dataset CRCs, yet resume reads them (step, learning rates, optimizer state
+# values). One CRC-32 covers them all: of a canonical JSON text of every attribute of ``/``, of every group
+# with attributes, and of every dataset (its attributes, shape and stored dtype). Writer and reader build the
+# text from the values, not the bytes HDF5 stores, so any reader can recompute it (docs/checkpoint-format.md).
 
 def attr_value(value):
     """An attribute value as plain Python (bytes -> str, numpy scalars and arrays -> Python)."""
@@ -197,8 +189,7 @@ def metadata_text(root_attrs, group_attrs, datasets):
 
     ``root_attrs``: ``{name: value}`` of ``/`` (``metadata_crc32`` itself is left out);
     ``group_attrs``: ``{group path: {name: value}}`` (groups without attributes are left out);
-    ``datasets``: ``{dataset path: (shape, numpy dtype str such as "<f4", {name: value})}``.
-    """
+    ``datasets``: ``{dataset path: (shape, numpy dtype str such as "<f4", {name: value})}``."""
     def plain(attrs):
         return {k: attr_value(v) for k, v in attrs.items()}
 
@@ -215,9 +206,8 @@ def metadata_crc(root_attrs, group_attrs, datasets):
 
 
 # ---------------------------------------------------------------- non-finite values
-# A checkpoint of a run that blew up is worthless and, kept by retention, pushes out the
-# good ones: parameters and optimizer state must be finite. Buffers may hold infinities
-# on purpose (a causal mask of -inf), so they are not checked.
+# A checkpoint of a blown-up run is worthless and, kept by retention, pushes out good ones: parameters and
+# optimizer state must be finite. Buffers may hold infinities on purpose (a causal mask of -inf): unchecked.
 
 # For the dtypes stored as raw bits: (mask, value): the element is NaN or infinite when
 # ``bits & mask == value`` (all exponent bits set; the fnuz formats' only NaN is 0x80).
@@ -272,14 +262,11 @@ def nbytes_of(shape, itemsize):
 
 
 def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
-    """Which rank handles which rows of which dataset.
-
-    ``specs``: ``[(shape, itemsize)]``, one per dataset, the same on every rank.
-    Returns one list per dataset of ``(rank, start_row, stop_row)`` pieces in row order.
-    Scalars are one piece ``(rank, 0, 1)``. Large tensors are split along axis 0 into
-    ``nranks`` nearly equal parts (empty parts are left out); small ones go whole to the
-    least-loaded rank (lowest rank on ties), so the result depends only on the arguments.
-    """
+    """Which rank handles which rows of which dataset. ``specs``: ``[(shape, itemsize)]``, one per dataset,
+    the same on every rank. Returns one list per dataset of ``(rank, start_row, stop_row)`` pieces in row
+    order. Scalars are one piece ``(rank, 0, 1)``. Large tensors are split along axis 0 into ``nranks`` nearly
+    equal parts (empty parts are left out); small ones go whole to the least-loaded rank (lowest rank on
+    ties), so the result depends only on the arguments."""
     if nranks < 1:
         raise ValueError(f"nranks must be >= 1, got {nranks}")
     load = [0] * nranks
@@ -313,9 +300,8 @@ def slices(region):
 
 
 def runs(shape, region, itemsize):
-    """Byte ``(offset, nbytes)`` of the contiguous runs ``region`` covers in the C-order
-    dataset of ``shape``, in the order of the region's own C-order elements. A region of
-    whole rows is one run."""
+    """Byte ``(offset, nbytes)`` of the contiguous runs ``region`` covers in the C-order dataset of ``shape``,
+    in the order of the region's own C-order elements; whole rows are one run."""
     import numpy as np
 
     if not shape:

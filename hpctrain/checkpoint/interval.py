@@ -1,27 +1,23 @@
-"""The checkpoint interval hpctrain chooses (``checkpoint.auto_interval``): pure arithmetic
-on times that the manager measures, no MPI, no clock of its own.
+"""The checkpoint interval hpctrain chooses (``checkpoint.auto_interval``): pure arithmetic on times the
+manager measures; no MPI, no clock of its own. Two rules, each optional, both from the save cost C (the
+seconds a save *blocks* training: a synchronous save's whole write, an asynchronous one's snapshot plus any
+wait for the previous write) and the step time T (seconds between saves' ends and the next call, per step,
+saves excluded):
 
-Two rules, each optional, both from the save cost C (the seconds a save *blocks* training:
-a synchronous save's whole write, an asynchronous one's snapshot plus any wait for the
-previous write) and the step time T (seconds between saves' ends and the next call, per
-step, saves excluded):
+* overhead budget ``max_overhead`` = b: save every N = ceil(C / (0.8 b T)) steps, so that C / (N T) stays
+  under b while the estimates drift by up to 1.25 (see below);
+* failure rate ``mtbf_hours`` = M (Young/Daly): the interval that minimises expected save cost plus lost work,
+  sqrt(2 C M) seconds, N = round(sqrt(2 C M) / T) steps.
 
-* overhead budget ``max_overhead`` = b: save every N = ceil(C / (0.8 b T)) steps, so that
-  C / (N T) stays under b while the estimates drift by up to 1.25 (see below);
-* failure rate ``mtbf_hours`` = M (Young/Daly): the interval that minimises expected save
-  cost plus lost work, sqrt(2 C M) seconds, N = round(sqrt(2 C M) / T) steps.
+With both, the more frequent wins: the budget says what saving may cost, Young/Daly when saving less often
+would lose more work to failures than it saves in cost. With ``async_save`` the interval is at least as long
+as a background write takes (W, measured too): a save that starts earlier waits for the previous one, and that
+wait is cost. ``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
 
-With both, the more frequent wins: the budget says what saving may cost, Young/Daly when
-saving less often would lose more work to failures than it saves in cost. With
-``async_save`` the interval is at least as long as a background write takes (W, measured
-too): a save that starts earlier waits for the previous one, and that wait is cost.
-``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
-
-C is the mean of the last few saves (a budget pays the slow ones too), T the median of the
-last steps. After each save (when C has a new sample) the interval is re-tuned if the one
-the estimates call for is longer than the current by more than 1 / :data:`BUDGET_AIM` (the
-budget would be broken) or shorter by more than :data:`SHORTER_FACTOR`; smaller changes
-are noise, and each change is logged.
+C is the mean of the last few saves (a budget pays the slow ones too), T the median of the last steps. After
+each save (when C has a new sample) the interval is re-tuned if the one the estimates call for is longer than
+the current by more than 1 / :data:`BUDGET_AIM` (the budget would be broken) or shorter by more than
+:data:`SHORTER_FACTOR`; smaller changes are noise, and each change is logged.
 
 >>> auto = AutoInterval(max_overhead=0.1)
 >>> for _ in range(PROBE_STEPS):
@@ -44,12 +40,9 @@ SHORTER_FACTOR = 1.5  # re-tune when the wanted interval is this much shorter th
 
 
 class AutoInterval:
-    """Rank 0's estimates and interval; ``steps`` is None until a save has been measured.
-
-    ``every_steps``/``every_minutes``: upper bounds (0: none). Feed it with
-    :meth:`observe_step` (per step) and :meth:`observe_save` (seconds a save blocked), ask
-    :meth:`due`; :attr:`changes` collects the log lines of each change of interval.
-    """
+    """Rank 0's estimates and interval (``steps``: None until a save is measured). Feed it
+    :meth:`observe_step` (per step) and :meth:`observe_save` (seconds a save blocked), ask :meth:`due`;
+    :attr:`changes` collects the log line of each change. ``every_steps``/``every_minutes``: 0 for none."""
 
     def __init__(self, max_overhead=0.0, mtbf_hours=0.0, every_steps=0, every_minutes=0.0):
         if max_overhead <= 0 and mtbf_hours <= 0:

@@ -1,16 +1,8 @@
-"""A run's checkpoints: when to save, the saves themselves (in the foreground or in the
-background), and where to resume.
-
-Every public call is collective: all ranks call it with the same arguments. Rank 0 makes
-the decisions (name, time, retention) through :func:`~hpctrain.runtime.coordination.on_root`,
-so every rank sees the same result or the same exception. Each save goes through the one
-pipeline of :mod:`.commit`; which rank writes which part of the file is the planner's
-(:class:`~.replicated.ReplicatedPlanner` by default, a split model's own otherwise).
-
-    mgr = CheckpointManager(run_dir / "checkpoints", world, cfg.checkpoint, run_config)
-    mgr.resume(state)                      # cfg.resume: "auto", "none" or a path
-    mgr.maybe_save(state, epoch_end=True, metrics={"val_loss": 0.31})
-    mgr.close()                            # waits for a background save
+"""A run's checkpoints: when to save, the saves (in the foreground or the background), and where to resume.
+Every public call is collective: all ranks call it with the same arguments. Rank 0 makes the decisions (name,
+time, retention) through :func:`~hpctrain.runtime.coordination.on_root`, so every rank sees the same result or
+the same exception. Each save goes through the one pipeline of :mod:`.commit`; which rank writes which part of
+the file is the planner's (:class:`~.replicated.ReplicatedPlanner` by default, a split model's own otherwise).
 """
 import logging
 import os
@@ -60,13 +52,10 @@ class CheckpointManager:
     # -- resume
 
     def resume(self, state):
-        """Load the checkpoint ``cfg.resume`` names into ``state``; True if one was loaded.
-
-        ``"auto"``: the newest checkpoint of the directory (abandoned branches are not in it);
-        one that fails verification is skipped with a warning naming the problem, and moved to
-        ``abandoned/`` with any other newer one. ``"none"``: start fresh. A path: that
-        file, no fallback.
-        """
+        """Load the checkpoint ``cfg.resume`` names into ``state``; True if one was loaded. ``"auto"``: the
+        newest checkpoint of the directory (abandoned branches are not in it); one that fails verification is
+        skipped with a warning naming the problem, and moved to ``abandoned/`` with any other newer one.
+        ``"none"``: start fresh. A path: that file, no fallback."""
         on_root(lambda: directory.remove_stale_temps(self.directory), self.comm)
         mode = self.cfg.resume
         if mode == "none":
@@ -78,10 +67,9 @@ class CheckpointManager:
         return self._load_newest(state) is not None
 
     def load_latest(self, state):
-        """Collective: load the newest valid checkpoint of this run into ``state``, as
-        ``resume="auto"`` would pick it (damaged ones skipped with a warning), whatever
-        ``cfg.resume`` says. Returns its path, or None when there is none. Used to roll back,
-        e.g. after a numeric blow-up.
+        """Load the newest valid checkpoint of this run into ``state``, as ``resume="auto"`` would pick it
+        (damaged ones skipped with a warning), whatever ``cfg.resume`` says. Returns its path, or None when
+        there is none. Used to roll back, e.g. after a numeric blow-up.
 
         >>> path = mgr.load_latest(state)   # doctest: +SKIP
         """
@@ -102,11 +90,9 @@ class CheckpointManager:
     # -- saving
 
     def maybe_save(self, state, epoch_end=False, final=False, requested=False, metrics=None):
-        """Save if rank 0 says it is time; returns the path saved, or None.
-
-        With ``checkpoint.auto_interval`` the time between calls (minus what saves took) is
-        the step time and what a save blocks is its cost; rank 0 chooses the interval from
-        them (:mod:`.interval`), and ``every_steps`` becomes an upper bound on it."""
+        """Save if rank 0 says it is time; returns the path saved, or None. With ``checkpoint.auto_interval``
+        the time between calls (minus what saves took) is the step time and what a save blocks is its cost;
+        rank 0 chooses the interval from them (:mod:`.interval`), ``every_steps`` its upper bound."""
         c = self.cfg
         started = time.monotonic()
         step = state.progress.step
@@ -137,9 +123,8 @@ class CheckpointManager:
         return due
 
     def save(self, state, reason="manual", metrics=None):
-        """Write a checkpoint of ``state`` now; returns its path. With ``cfg.async_save`` the
-        file is written in the background and is durable once the next save or
-        :meth:`close` returns."""
+        """Write a checkpoint of ``state`` now; returns its path. With ``cfg.async_save`` the file is written
+        in the background and is durable once the next save or :meth:`close` returns."""
         self.wait()
         self.planner.check_replicas(state)
         step = state.progress.step
@@ -192,9 +177,9 @@ def _warn_about_io(parallel, forced, ranks, async_save):
 
 # ---------------------------------------------------------------- where a run resumes
 def load_newest(path, planner, state, comm, is_root):
-    """Collective: load the newest valid checkpoint of directory ``path`` into ``state`` with
-    ``planner``; ``(file, header)``, or None when there is none. Raises the same
-    :class:`CheckpointError` on every rank when every one is damaged."""
+    """Collective: load the newest valid checkpoint of directory ``path`` into ``state`` with ``planner``:
+    ``(file, header)``, or None if there is none; if all are damaged, the same :class:`CheckpointError` on
+    every rank."""
     candidates = on_root(lambda: directory.candidates(path), comm)
     problems = []
     for file in candidates:

@@ -1,12 +1,8 @@
-"""What one checkpoint file holds and who writes which part of it: a :class:`WritePlan`, one
-:class:`DatasetPlan` per dataset (which rank writes which region, and this rank's piece).
-
-What differs between data-parallel, sharded and split models is only the plan:
-:func:`plan_snapshot` makes it for data-parallel replicas (every rank holds every array;
-:func:`format.plan_pieces` shares out rows), :mod:`.sharded` for sharded optimizers,
-``hpctrain.parallel.checkpoint`` for split models. Here too: the checksums and NaN checks of
-this rank's pieces, taken in one pass over the bytes, and a background save's private copy.
-"""
+"""What one checkpoint file holds and who writes which part of it: a :class:`WritePlan` of
+:class:`DatasetPlan`. Data-parallel, sharded and split models differ only in the plan: :func:`plan_snapshot`
+makes it for data-parallel replicas, :mod:`.sharded` for sharded optimizers, ``hpctrain.parallel.checkpoint``
+for split models. Here too: the checksums and NaN checks of this rank's pieces (:func:`own_checksums`), and a
+background save's private copy (:func:`copy_own_pieces`)."""
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,9 +16,8 @@ from . import format as fmt
 
 @dataclass
 class DatasetPlan:
-    """One dataset of the file and who writes it: ``pieces`` is ``[(rank, region)]`` for
-    every rank (regions as in :mod:`format`, at most one per rank, together the whole
-    dataset); ``mine`` is this rank's piece, shaped like its region, or None."""
+    """One dataset of the file: ``pieces``, every rank's ``(rank, region)`` (:mod:`format` regions, at most
+    one per rank, together the whole dataset); ``mine``, this rank's piece shaped like its region, or None."""
 
     path: str
     shape: Tuple[int, ...]
@@ -70,17 +65,14 @@ def plan_snapshot(snap, nwriters, rank):
     return WritePlan(datasets, snap.root_attrs, snap.group_attrs)
 
 
-
-# Bytes checksummed (and checked for NaN) at a time: small enough to stay in cache between
-# the two, a multiple of every itemsize.
+# Bytes checksummed and NaN-checked at a time (stays in cache between the two); a multiple of every itemsize.
 SCAN_BYTES = 1 << 20
 
 
 def own_checksums(datasets, rank, crc=True, finite=True):
-    """``([(dataset index, byte offset, nbytes, crc)], [indices of non-finite datasets])`` of
-    this rank's pieces: one checksum per contiguous run of bytes its region covers, and, for
-    datasets marked ``finite``, whether its piece holds a NaN or infinity. One pass over the
-    bytes does both (``crc`` / ``finite`` False: leave that part out)."""
+    """``([(dataset index, byte offset, nbytes, crc)], [indices of non-finite datasets])`` of this rank's
+    pieces: a checksum per contiguous run of bytes its region covers and, for datasets marked ``finite``,
+    whether it holds NaN or infinity, both in one pass over the bytes (``crc``/``finite`` False: skip it)."""
     out, bad = [], []
     for i, d in enumerate(datasets):
         sums, ok = piece_checksums(i, d, rank, crc, finite)
@@ -133,18 +125,16 @@ def _final_name(path):
 
 
 def mark_finite(plan):
-    """Mark as ``finite`` what a reader checks too (:func:`format.finite_paths`): the
-    parameters the optimizer's ``param_groups`` name, and optimizer state; so plans made
-    elsewhere (split models) are checked alike."""
+    """Mark ``finite`` what a reader checks too (:func:`format.finite_paths`: the parameters the optimizer's
+    ``param_groups`` name, and optimizer state), so plans made elsewhere (split models) are checked alike."""
     must = fmt.finite_paths(plan.group_attrs, [d.path for d in plan.datasets])
     for d in plan.datasets:
         d.finite = d.finite or d.path in must
 
 
 def check_finite(plan, comm, path):
-    """Collective: refuse (the same error on every rank) if a dataset marked ``finite`` holds
-    NaN or infinity. Every rank checks only the rows it will write (or has checked them
-    already: :func:`copy_own_pieces`)."""
+    """Collective: refuse (the same error on every rank) if a dataset marked ``finite`` holds NaN or infinity;
+    each rank checks only the rows it writes (unless :func:`copy_own_pieces` did already)."""
     mark_finite(plan)
     bad = plan.own_nonfinite
     if bad is None:
@@ -158,16 +148,13 @@ COPY_TASK_SCANS = 16
 
 
 def copy_own_pieces(plan, buffers, workers=1):
-    """A background save's pieces in memory that training does not touch.
-
-    Each piece this rank writes (``mine``, a view of training's tensor) is copied into the
-    host buffer ``buffers`` kept for its path from the previous save, where it still fits
-    (fresh memory costs a page fault per page on top of the copy), and checked for NaN in
-    the same pass, while it is in cache. Only this rank's rows are copied: on n ranks, 1/n
-    of the state. ``workers`` threads share the bytes (numpy copies and checks without the
-    GIL): cores that the rank may use and training, waiting for this, does not. ``buffers``
-    is updated to hold exactly this save's buffers; reuse them only once it is written.
-    Sets ``plan.own_nonfinite`` for :func:`check_finite`."""
+    """A background save's pieces in memory that training does not touch: each piece this rank writes
+    (``mine``, a view of training's tensor) is copied into the host buffer ``buffers`` kept for its path from
+    the previous save, where it still fits (fresh memory costs a page fault per page on top of the copy), and
+    checked for NaN in the same pass, while it is in cache. Only this rank's rows are copied: on n ranks, 1/n
+    of the state. ``workers`` threads share the bytes (numpy copies and checks without the GIL): cores that
+    the rank may use and training, waiting for this, does not. ``buffers`` then holds just this save's
+    buffers; reuse them only once it is written. Sets ``plan.own_nonfinite`` for :func:`check_finite`."""
     mark_finite(plan)
     old = dict(buffers)
     buffers.clear()

@@ -1,16 +1,12 @@
-"""When to save and what to keep: the pure rules (:func:`save_reason`, :func:`select_keep`;
-:class:`~.commit.Retention` applies the second after each save). How often to save when
-hpctrain chooses: :mod:`.interval`."""
+"""When to save and what to keep: the pure rules (:func:`save_reason`; :func:`select_keep`, which
+:class:`~.commit.Retention` applies after each save). How often when hpctrain chooses: :mod:`.interval`."""
 import math
 
 
 def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", milestone_every=0):
-    """Steps to keep among ``checkpoints`` = ``[(step, metric_or_None)]``.
-
-    Keeps the newest ``keep_last`` (0: keep all), the ``keep_best`` best by metric
-    (``best_mode`` "min" or "max"; newer wins ties; missing or NaN metrics never count),
-    and every step divisible by ``milestone_every`` (0: off). The newest is always kept.
-    """
+    """Steps to keep among ``checkpoints`` = ``[(step, metric_or_None)]``: the newest ``keep_last`` (0: keep
+    all), the ``keep_best`` best by metric (``best_mode`` "min" or "max"; newer wins ties; missing or NaN
+    metrics never count), and every step divisible by ``milestone_every`` (0: off); always the newest."""
     if best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     steps = sorted({step for step, _ in checkpoints}, reverse=True)

@@ -1,12 +1,6 @@
-"""Reading and verifying checkpoint files.
-
-* :func:`read_header` (one process, serial h5py): format, version, the list of datasets
-  with shapes, dtypes and checksums, and every group's attributes.
-* :func:`read_arrays` (collective): each rank reads its share of every dataset, the
-  checksums are checked across ranks, then the shares are exchanged so that every rank
-  ends with every array. Works on any number of ranks, whatever number wrote the file.
-* :func:`verify_file` (one process): every checksum, for ``hpctrain ckpt verify``.
-"""
+"""Reading and verifying checkpoints: the header without the data (:func:`read_header`), every array on every
+rank (:func:`read_arrays`), and, for ``hpctrain ckpt verify``, every checksum in one process
+(:func:`verify_file`)."""
 import logging
 
 import numpy as np
@@ -19,9 +13,9 @@ from .agreement import agree
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-# Bytes read at a time when only checksumming (one reused buffer): small enough that the
-# checksum finds the block still in cache, and that h5py (which holds the GIL for a whole
-# read) lets the training thread run between reads when a background save verifies.
+# Bytes read at a time when only checksumming (one reused buffer): small enough that the checksum finds the
+# block still in cache, and that h5py (which holds the GIL for a whole read) lets training run between reads
+# when a background save verifies.
 VERIFY_BYTES = 4 << 20
 
 
@@ -52,10 +46,9 @@ class Header:
 
 
 def read_header(path):
-    """Open ``path`` serially and check that it is a checkpoint this code can read.
-
-    Raises :class:`CheckpointCorrupt` naming the file and what is wrong.
-    """
+    """Open ``path`` serially (h5py) and check that it is a checkpoint this code can read: format, version,
+    the datasets with shapes, dtypes and checksums, every group's attributes. Raises
+    :class:`CheckpointCorrupt` naming the file and what is wrong."""
     import h5py
 
     try:
@@ -148,10 +141,9 @@ MPI_MAX_BYTES = (1 << 31) - 1
 
 
 def exchange(arrays, plan, comm):
-    """Every rank holds the pieces ``plan`` gives it; afterwards every rank holds all.
-
-    The bytes move in place, straight into ``arrays``: one ``Allgatherv`` (``MPI_IN_PLACE``)
-    per split dataset, one ``Bcast`` from its owner per whole one. No staging buffers."""
+    """Every rank holds the pieces ``plan`` gives it; afterwards every rank holds all. The bytes move in
+    place, straight into ``arrays``: one ``Allgatherv`` (``MPI_IN_PLACE``) per split dataset, one ``Bcast``
+    from its owner per whole one. No staging buffers."""
     from mpi4py import MPI
 
     size = comm.Get_size()
@@ -220,12 +212,11 @@ def open_for_read(path, comm, parallel):
 
 
 def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
-    """Collective: every rank returns ``{path: array}`` for every dataset (or those ``keep``
-    accepts). Checksums are verified across ranks before anything is returned.
-
-    ``into``: ``{path: array}`` of the stored shape and dtype, C-contiguous, to read those
-    datasets straight into instead of new arrays (the same paths on every rank). They are
-    written before the checksums are compared: on an error they hold part of the file."""
+    """Collective: every rank returns ``{path: array}`` of every dataset (or those ``keep`` accepts): each
+    rank reads a share, the checksums are verified across ranks, then the shares are exchanged; any number of
+    ranks reads a file, whatever number wrote it. ``into``: ``{path: array}`` of the stored shape and dtype,
+    C-contiguous, to read those datasets straight into instead of new arrays (the same paths on every rank).
+    They are written before the checksums are compared: on an error they hold part of the file."""
     rank, size = comm.Get_rank(), comm.Get_size()
     into = into or {}
     paths = sorted(p for p in header.datasets if keep is None or keep(p))
@@ -275,9 +266,8 @@ def close_recording(f, errors):
 
 
 def _crc_rows(dset, start, stop, shape, dtype, scratch, finite=None):
-    """``(crc, nbytes, all finite)`` of rows [start, stop) of ``dset``, read a block at a time
-    into ``scratch``. ``finite``: the torch dtype name to check the values for NaN and
-    infinity with (None: not checked, reported as finite)."""
+    """``(crc, nbytes, all finite)`` of rows [start, stop) of ``dset``, read a block at a time into
+    ``scratch``; ``finite``: torch dtype to check for NaN and infinity (None: no check, reported finite)."""
     if len(shape) == 0:
         value = np.asarray(dset[()])
         return fmt.crc32_bytes(value), dtype.itemsize, finite is None or fmt.all_finite(value, finite)

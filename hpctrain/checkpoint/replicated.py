@@ -1,13 +1,9 @@
-"""Checkpoints of data-parallel states: every rank holds the whole model (and, with
-``comm.shard``, its slice of the optimizer: :mod:`.sharded`). The ranks share out the rows of
-the one model to write and read (:func:`format.plan_pieces`); the replicas are compared
-first (``checkpoint.consistency``).
-
-:class:`ReplicatedPlanner` is what :class:`~.manager.CheckpointManager` asks by default
-(split models hand it theirs: ``hpctrain.parallel.checkpoint.SplitPlanner``); the
-functions :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`verify_checkpoint` are
-the same for one file, without a manager.
-"""
+"""Checkpoints of data-parallel states: every rank holds the whole model (and, with ``comm.shard``, its slice
+of the optimizer: :mod:`.sharded`). The ranks share out the rows of the one model to write and read
+(:func:`format.plan_pieces`); the replicas are compared first (``checkpoint.consistency``).
+:class:`ReplicatedPlanner` is what :class:`~.manager.CheckpointManager` asks by default (split models hand it
+theirs: ``hpctrain.parallel.checkpoint.SplitPlanner``); :func:`save_checkpoint`, :func:`load_checkpoint` and
+:func:`verify_checkpoint` do the same for one file, without a manager."""
 import logging
 
 from ..errors import CheckpointError
@@ -24,13 +20,10 @@ log = logging.getLogger("hpctrain.checkpoint")
 
 
 def check_consistency(model, comm, mode="check"):
-    """Collective: compare fingerprints of every rank's model tensors (the ranks of ``comm``
-    hold replicas of one model, or of one part of it).
-
-    ``"check"``: raise CheckpointError naming the ranks that diverged; ``"repair"``: copy
-    the tensors of the largest group of equal ranks to the others (with a warning);
-    ``"off"``: do nothing.
-    """
+    """Collective: compare fingerprints of every rank's model tensors (the ranks of ``comm`` hold replicas of
+    one model, or of one part of it). ``"check"``: raise CheckpointError naming the ranks that diverged;
+    ``"repair"``: copy the tensors of the largest group of equal ranks to the others (with a warning);
+    ``"off"``: do nothing."""
     found = None if mode == "off" else compare_replicas(model, comm)
     if found is None:
         return
@@ -91,9 +84,8 @@ def _comm(comm):
 
 def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reason="manual",
                     verify=True, consistency="check"):
-    """Collective: write ``state`` to the checkpoint file ``path`` (atomically: temp file,
-    checksums verified, fsync, rename). No ``latest`` pointer, no retention: see
-    :class:`~.manager.CheckpointManager` for those.
+    """Collective: write ``state`` to the checkpoint file ``path`` (atomically: temp file, checksums verified,
+    fsync, rename). No ``latest``, no retention: see :class:`~.manager.CheckpointManager`.
 
     >>> save_checkpoint("run/ckpt-00000100.h5", state, comm)   # doctest: +SKIP
     """
@@ -105,14 +97,12 @@ def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reaso
 
 
 def load_checkpoint(path, state, comm=None, restore_rng=True):
-    """Collective: read checkpoint ``path`` into ``state`` (model, optimizer, progress) in
-    place, on any number of ranks. Every rank reads a share, checksums are verified, the
-    shares are exchanged. Raises :class:`CheckpointError` on every rank: for a file that does
-    not fit ``state`` (model shapes, optimizer groups) or cannot be opened, before anything
-    in ``state`` changes. The data is read straight into the state's own CPU tensors (no
-    second copy of the state in memory), so a ``CheckpointCorrupt`` for data that fails its
-    checksums leaves them holding part of the file: load another checkpoint before
-    training on (``CheckpointManager.resume`` falls back to the previous one by itself).
+    """Collective: read checkpoint ``path`` into ``state`` (model, optimizer, progress) in place, on any
+    number of ranks (each reads a share), checksums verified. A file that does not fit ``state`` (model
+    shapes, optimizer groups) or cannot be opened raises :class:`CheckpointError` on every rank before
+    ``state`` changes. The data is read straight into the state's own CPU tensors (not a second copy in
+    memory), so a ``CheckpointCorrupt`` for failed checksums leaves them holding part of the file: load
+    another checkpoint before training on (``CheckpointManager.resume`` tries the previous one itself).
 
     >>> load_checkpoint("run/checkpoints/ckpt-00000100.h5", state)   # doctest: +SKIP
     """
@@ -130,8 +120,8 @@ def load_checkpoint(path, state, comm=None, restore_rng=True):
     h = on_root(header, comm)
     all_or_none(lambda: snapshot.check_optimizer_groups(state, h.group_attrs, path), comm)
     own = snapshot.in_place_targets(state, h.datasets)
-    # What is not read in place allocates and frees large buffers once: reused, not faulted
-    # in afresh each time, and given back afterwards (hpctrain.runtime.allocator).
+    # What is not read in place allocates and frees large buffers once: reused, not faulted in afresh each
+    # time, and given back afterwards (hpctrain.runtime.allocator).
     with allocator.reusing_large_blocks():
         arrays = reader.read_arrays(h, comm, parallel, into={p: a for p, (a, _) in own.items()})
         typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}

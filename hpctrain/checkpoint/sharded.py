@@ -1,16 +1,11 @@
 """Checkpoints of sharded runs (``comm.shard``, :mod:`hpctrain.training.sharding`) in the ordinary format.
 
-A file written here has the same datasets, shapes, attributes and values as a replicated
-run's: ``/optimizer/state/<param>/<key>`` holds each parameter's whole state tensor. Only
-who writes which rows differs: every rank writes the rows of the parameters its optimizer
-slice covers, straight from that slice (slices end on row boundaries, so each rank's part of
-a dataset is one block of rows; nothing is gathered, no rank holds more than its slice). The
-model's tensors, which every rank holds, are shared out as for a replicated run.
-
-Loading reads the model on every rank as :func:`~.manager.load_checkpoint` does, and the
-optimizer state of only this rank's rows, for the slices of the current rank count. So a
-file saved sharded on 4 ranks resumes replicated on 1, sharded on 2, and the reverse.
-"""
+A file written here has the same datasets, shapes, attributes and values as a replicated run's
+(``/optimizer/state/<param>/<key>`` holds each parameter's whole state tensor); only who writes which rows
+differs: every rank writes the rows of the parameters its optimizer slice covers, straight from that slice
+(slices end on row boundaries, so each rank's part of a dataset is one block of rows; nothing is gathered, no
+rank holds more than its slice). The model's tensors are written and read as in :mod:`.replicated`. A file
+saved sharded on 4 ranks resumes replicated on 1, sharded on 2, and the reverse."""
 import json
 from types import SimpleNamespace
 
@@ -110,9 +105,8 @@ def _state_keys(header):
 
 
 def _read_slice(header, opt, comm, parallel):
-    """Read this rank's rows of every optimizer state dataset into flat slice tensors.
-    Returns ``(tensors, scalars, checksums, errors)``; checksums as :func:`.plan.own_checksums`
-    gives them, indexed by the sorted state paths."""
+    """Read this rank's rows of every optimizer state dataset into flat slice tensors: ``(tensors, scalars,
+    checksums, errors, paths)``, checksums as in :func:`.plan.own_checksums`, indexed by sorted ``paths``."""
     import torch
 
     rank = comm.Get_rank()
@@ -164,9 +158,9 @@ def _open_serial(path):
 
 
 def load(path, state, comm, parallel, restore_rng=True):
-    """Collective: read checkpoint ``path`` (written sharded or not, on any rank count) into
-    a sharded ``state``: the whole model on every rank, the optimizer state of this rank's
-    slice only. The same :class:`CheckpointError` on every rank before anything changes."""
+    """Collective: read checkpoint ``path`` (written sharded or not, on any rank count) into a sharded
+    ``state``: the whole model on every rank, the optimizer state of this rank's slice only. The same
+    :class:`CheckpointError` on every rank before anything changes."""
     opt = state.optimizer
 
     def header():

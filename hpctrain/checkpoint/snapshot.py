@@ -1,11 +1,8 @@
-"""Between torch objects and the file: a :class:`Snapshot` is the list of arrays and
-attributes a checkpoint holds, taken from a :class:`~hpctrain.state.TrainState` (and put
-back into one). Every rank builds the same snapshot: parameters are data-parallel replicas
-and rank 0's trainer state (RNG, metadata) is broadcast first.
-
-Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG
-attributes with the same functions, and are restored by :func:`restore` with ``partial``.
-"""
+"""Between torch objects and the file: a :class:`Snapshot` is the list of arrays and attributes a checkpoint
+holds, taken from a :class:`~hpctrain.state.TrainState` (and put back into one). Every rank builds the same
+snapshot: parameters are data-parallel replicas and rank 0's trainer state (RNG, metadata) is broadcast first.
+Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG attributes with the
+same functions, and are restored by :func:`restore` with ``partial``."""
 import json
 import random
 import socket
@@ -123,11 +120,10 @@ def optimizer_param_names(model, optimizer):
 
 
 def optimizer_parts(model, optimizer):
-    """The optimizer of ``model`` as the file holds it: ``(description, tensors)``.
-
-    ``description`` (plain JSON values, the same on every replica): ``{"class": name,
-    "groups": param_groups with parameter names in place of indices, "values": {parameter
-    name: its non-tensor state}}``. ``tensors``: ``[(parameter name, key, tensor)]`` of its state."""
+    """The optimizer of ``model`` as the file holds it: ``(description, tensors)``. ``description`` (plain
+    JSON values, the same on every replica): ``{"class": name, "groups": param_groups with parameter names in
+    place of indices, "values": {parameter name: its non-tensor state}}``. ``tensors``: ``[(parameter name,
+    key, tensor)]`` of its state."""
     if optimizer is None:
         return {"class": "", "groups": [], "values": {}}, []
     names = optimizer_param_names(model, optimizer)
@@ -192,8 +188,7 @@ def _versions():
 
 
 def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
-    """Attributes of ``/``: computed on rank 0 and broadcast, since parallel HDF5 needs
-    every rank to write identical attribute values."""
+    """Attributes of ``/``, made on rank 0 and broadcast: parallel HDF5 needs them identical on all ranks."""
     from ..runtime.world import launch_info
 
     info = launch_info()
@@ -246,12 +241,9 @@ def set_rng_states(rng):
 # ---------------------------------------------------------------- taking a snapshot
 
 def take_snapshot(state, root_info):
-    """Arrays and attributes of a checkpoint of ``state``.
-
-    ``root_info``: ``{"meta": root attributes, "rng": rank 0's RNG states}`` from rank 0.
-    The arrays of CPU tensors are views of them (a background save copies only the rows its
-    rank writes, once it has its plan: :func:`.writer.copy_own_pieces`).
-    """
+    """Arrays and attributes of a checkpoint of ``state``; ``root_info``: ``{"meta": root attributes, "rng":
+    rank 0's RNG states}`` from rank 0. The arrays of CPU tensors are views of them (a background save copies
+    only the rows its rank writes, once it has its plan: :func:`.plan.copy_own_pieces`)."""
 
     def entry(path, tensor, finite):
         array, dtype = tensor_to_array(tensor, copy=False)
@@ -303,11 +295,10 @@ def check_model_against(model, manifest, path):
 
 
 def in_place_targets(state, datasets):
-    """``{dataset path: (array, tensor)}``: the tensors of ``state`` that a load can read
-    straight into, each with the numpy view of its memory. A tensor qualifies when it is on
-    the CPU, contiguous, of the stored dtype and shape, and shares its memory with no other
-    (tied weights are read into fresh arrays). Reading into them needs no new memory: fresh
-    pages cost a fault on first touch, and the load no longer holds the state twice."""
+    """``{dataset path: (array, tensor)}``: the tensors of ``state`` a load can read straight into (on the
+    CPU, contiguous, of the stored dtype and shape, sharing memory with no other: tied weights are read into
+    fresh arrays), each with the numpy view of its memory. Reading into them needs no new memory (fresh pages
+    cost a fault on first touch), and the load does not hold the state twice."""
     candidates = []
     for name, tensor in state.model.state_dict().items():
         candidates.append((model_path(name), tensor))
@@ -333,11 +324,10 @@ def in_place_targets(state, datasets):
 
 
 def restore(state, arrays, attrs, path, partial=False, own=None):
-    """Load arrays (path -> (array, dtype name)) and group attributes into ``state``; on an
-    error nothing has changed. ``partial``: ``state.model`` is a part of the saved model (a
-    pipeline stage): the optimizer takes the saved groups' hyperparameters and the state of
-    the parameters it has. ``own``: path -> the state's own tensor that already holds the
-    array (read in place, :func:`in_place_targets`): kept, not copied."""
+    """Load arrays (path -> (array, dtype name)) and group attributes into ``state``; on an error nothing has
+    changed. ``partial``: ``state.model`` is a part of the saved model (a pipeline stage): the optimizer takes
+    the saved groups' hyperparameters and the state of the parameters it has. ``own``: path -> the state's own
+    tensor that already holds the array (read in place, :func:`in_place_targets`): kept, not copied."""
     own = own or {}
 
     def tensor_of(dpath, device):

@@ -1,12 +1,10 @@
-"""Writing a checkpoint file from a :class:`~.plan.WritePlan`: collectively through MPI-IO
-(every rank writes its pieces), or by rank 0 alone where h5py has no MPI support.
+"""Writing a checkpoint file from a :class:`~.plan.WritePlan`: collectively through MPI-IO (every rank writes
+its pieces), or by rank 0 alone where h5py has no MPI support.
 
-Parallel HDF5 requires every rank to make the same metadata calls with the same arguments
-and to enter every collective write. So a rank that fails keeps going through the
-remaining calls with an empty share, and the ranks agree on the errors at fixed points
-(:mod:`.agreement`): one rank's failure becomes the same :class:`CheckpointError` on all,
-never a hang.
-"""
+Parallel HDF5 requires every rank to make the same metadata calls with the same arguments and to enter every
+collective write. So a rank that fails keeps going through the remaining calls with an empty share, and the
+ranks agree on the errors at fixed points (:mod:`.agreement`): one rank's failure becomes the same
+:class:`CheckpointError` on all, never a hang."""
 import contextlib
 import math
 import os
@@ -19,11 +17,10 @@ from ..runtime import fsutil
 from ..runtime.coordination import abort_job, any_rank, on_root
 from ..runtime.world import node_name
 from . import format as fmt
-from .agreement import agree, describe_error
+from .agreement import agree, describe_error, hint_for
 from .plan import mark_finite, piece_checksums, refuse_nonfinite
 
-# Lowest HDF5 format features that allow attributes over 64 KiB (large param_groups JSON)
-# while staying readable by any HDF5 >= 1.8.
+# Lowest HDF5 file format allowing attributes over 64 KiB (large param_groups JSON); any HDF5 >= 1.8 reads it.
 LIBVER = ("v108", "v108")
 
 _UNCLOSABLE = []
@@ -67,9 +64,8 @@ def create_layout(f, plan):
 
 
 def seal(f, plan, dsets, checksums):
-    """Write the CRC-32 of every dataset, and last the metadata checksum over every attribute
-    (:func:`format.metadata_crc`, computed from the values written), into their places. The
-    same values on every rank."""
+    """Write every dataset's CRC-32 and, last, the metadata checksum over every attribute
+    (:func:`format.metadata_crc`, from the values written) in place; the same values on every rank."""
     described = {}
     for d, dset, crc in zip(plan.datasets, dsets, checksums):
         dset.attrs.modify(fmt.CRC_ATTR, np.uint32(crc))
@@ -78,10 +74,9 @@ def seal(f, plan, dsets, checksums):
     f.attrs.modify(fmt.METADATA_CRC_ATTR, np.uint32(fmt.metadata_crc(_root_attrs(plan), groups, described)))
 
 
-# Bytes per write call. h5py holds the GIL for a whole call, so a background save keeps its
-# calls small enough for the training thread to run between them (and writes independently:
-# no call waits for another rank's background thread, which training slows down); a save in
-# the foreground makes fewer, larger calls (each collective call waits for the slowest rank).
+# Bytes per write call. h5py holds the GIL for a whole call: a background save makes small calls so training
+# runs between them, and independent ones (none waits for another rank's background thread, which training
+# slows); a foreground save makes fewer, larger ones (each collective call waits for the slowest rank).
 CALL_BYTES = 4 << 20
 FOREGROUND_CALL_BYTES = 512 << 20
 
@@ -134,13 +129,11 @@ def _write_alone(dset, d, region, call_bytes):
         dset[fmt.slices(where)] = d.mine[local]
 
 
-# Seconds that HDF5's collective metadata write (flush, close) may take before the job is
-# aborted. When one rank's write fails inside it (a file-size limit, a full disk, an I/O
-# error on one node), the other ranks wait in MPI for ever and no exception reaches them;
-# an abort that names the file is the only way out that does not hang.
+# Seconds HDF5's collective metadata write (flush, close) may take before the job is aborted: when one rank's
+# write fails inside it (a file-size limit, a full disk, an I/O error on one node), the other ranks wait in
+# MPI for ever and no exception reaches them; an abort naming the file is the only way out that does not hang.
 COLLECTIVE_TIMEOUT = 600.0
-# The same after a write failed on some rank: the data is not written any more (the file was
-# truncated), closing has only the metadata left to write.
+# The same once a write failed on some rank: the file was truncated, so closing has only metadata to write.
 FAILED_CLOSE_TIMEOUT = 60.0
 
 
@@ -172,16 +165,13 @@ def or_abort(what, path, rank, errors=(), seconds=None):
 def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
     """All ranks write ``plan`` into a new file ``path`` (collective); returns the checksums.
 
-    Datasets split among ranks are written in collective calls of up to ``call_bytes``
-    per rank; a dataset that one rank holds whole is written by that rank alone
-    (independent I/O), so small tensors cost no collective call and no rank waits on
-    another's small write. ``collective=False``: every piece is written independently
-    (a background save: its ranks do not wait for each other between calls).
-
-    Each piece is checksummed (and checked for NaN) right before it is written, so the
-    disk is busy from the first dataset on; the checksums, the same on every rank once
-    gathered, are written into their attributes after the data (:func:`seal`). A NaN found
-    on any rank refuses the save on all, and the file is left for the caller to remove."""
+    Datasets split among ranks are written in collective calls of up to ``call_bytes`` per rank; a dataset
+    that one rank holds whole is written by that rank alone (independent I/O), so small tensors cost no
+    collective call and no rank waits on another's small write. ``collective=False`` (a background save):
+    every piece is written independently. Each piece is checksummed (and checked for NaN) right before it is
+    written, so the disk is busy from the first dataset on; the checksums, the same on every rank once
+    gathered, are written into their attributes after the data (:func:`seal`). A NaN found on any rank refuses
+    the save on all, and the file is left for the caller to remove."""
     import h5py
 
     rank = comm.Get_rank()
@@ -214,9 +204,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
             else:
                 failed = any_rank(False, comm)
         if failed and rank == 0:
-            # The file is garbage now. Truncating it gives back the space a full disk
-            # needs for the metadata that closing writes; a close that fails leaves
-            # HDF5 in a state that crashes the process later.
+            # The file is garbage now. Truncating it gives back the space a full disk needs for the metadata
+            # that closing writes; a close that fails leaves HDF5 in a state that crashes the process later.
             try:
                 os.truncate(path, 0)
             except OSError:
@@ -235,9 +224,8 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True):
 
 
 def _write_datasets(plan, dsets, rank, call_bytes, collective, errors):
-    """This rank's share of every dataset, each piece checksummed right before it is written;
-    returns ``(checksums, non-finite dataset indices)``. A failure goes into ``errors`` and the
-    rank still enters every collective call."""
+    """This rank's share of every dataset, each piece checksummed right before it is written: ``(checksums,
+    non-finite dataset indices)``. A failure goes into ``errors``; the rank still enters every collective."""
     sums, bad = [], []
     finite = not plan.finite_checked
 
@@ -310,9 +298,8 @@ def _space_note(path, needed):
 
 
 def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
-    """This process alone writes ``plan`` (made for one writer, rank 0) with the default
-    (POSIX) driver; returns the checksums, taken as in :func:`write_parallel` while each
-    dataset is written. The file is left for the caller to remove on any error."""
+    """This process alone writes ``plan`` (made for one writer, rank 0) with the default (POSIX) driver;
+    returns the checksums, taken as in :func:`write_parallel`. On any error the caller removes the file."""
     import h5py
 
     mark_finite(plan)
@@ -330,22 +317,22 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES):
                     _write_alone(dset, d, region_to_write(d, 0), call_bytes)
                 except Exception as exc:
                     raise CheckpointError(f"writing {path} failed: /{d.path}: {describe_error(exc)}",
-                                          hint=_hint([str(exc)])) from exc
+                                          hint=hint_for([str(exc)])) from exc
             refuse_nonfinite(plan.datasets, [bad], path)
             checksums = fmt.combine_checksums([sums], len(plan.datasets))
             seal(f, plan, dsets, checksums)
     except CheckpointError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"writing {path} failed: {describe_error(exc)}", hint=_hint([str(exc)])) from exc
+        raise CheckpointError(f"writing {path} failed: {describe_error(exc)}", hint=hint_for([str(exc)])) from exc
     return checksums
 
 
 def sync_started(path, parallel, rank):
-    """Start fsyncing ``path`` on this rank (every rank when ``parallel``, so that each node's
-    writes reach the file system, as ``MPI_File_sync`` would have; rank 0 alone otherwise) in a
-    thread: the disk writes back while this thread re-reads and checksums from memory.
-    Returns ``finish()``, which waits for it and returns its error messages (``[]``: durable)."""
+    """Start fsyncing ``path`` in a thread on this rank (every rank when ``parallel``, so each node's writes
+    reach the file system as ``MPI_File_sync`` would have; else rank 0 alone): the disk writes back while the
+    caller re-reads and checksums from memory. Returns ``finish()``, which waits for it and returns its error
+    messages (``[]``: durable)."""
     if not parallel and rank != 0:
         return lambda: []
     errors = []
@@ -367,9 +354,8 @@ def sync_started(path, parallel, rank):
 
 
 def write_file(path, plan, comm, parallel, call_bytes=CALL_BYTES, collective=True):
-    """Write ``plan`` to ``path`` on every rank's behalf; the same outcome on all ranks.
-    Without ``parallel`` the plan must give everything to rank 0. ``collective``: see
-    :func:`write_parallel`."""
+    """Write ``plan`` to ``path`` on every rank's behalf; the same outcome on all ranks. Without ``parallel``
+    the plan must give everything to rank 0. ``collective``: see :func:`write_parallel`."""
     if parallel:
         return write_parallel(path, plan, comm, call_bytes, collective)
     return on_root(lambda: write_serial(path, plan, call_bytes), comm)

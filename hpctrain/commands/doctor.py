@@ -4,11 +4,10 @@
     mpirun -n 2 hpctrain doctor     # each rank reports; rank 0 prints them all
     hpctrain doctor --json          # machine-readable
 
-Exit status 0 only when the stack can run a parallel job. Each missing piece is one line
-that names the fix. Versions are read from package metadata where possible; torch and
-Horovod are imported only to check that their compiled parts really load (Horovod through
-:func:`hpctrain.backends.horovod_backend.build_info`, the one module that imports it).
-"""
+Exit status 0 only when the stack can run a parallel job; each missing piece is a line that names the fix.
+Versions come from package metadata where possible; torch and Horovod are imported only to check that their
+compiled parts really load (Horovod in :func:`hpctrain.backends.horovod_backend.build_info`, the one module
+that imports it)."""
 import argparse
 import json
 import platform

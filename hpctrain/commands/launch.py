@@ -3,13 +3,10 @@
     hpctrain launch -n 4 examples/digits.toml train.global_batch_size=48     # mpirun -n 4 ...
     sbatch -N 4 --ntasks-per-node=8 --wrap "hpctrain launch --max-restarts 5 job.toml"  # srun --mpi=pmix
 
-It trains as ``hpctrain train`` does, in one run directory that every launch is given. Inside a
-Slurm allocation the ranks are started with ``srun --mpi=pmix`` (the allocation decides how
-many), elsewhere with ``mpirun -n RANKS``. What it restarts, on how many ranks, and what it
-records: :mod:`hpctrain.job.relaunch`.
-
-A hang is ended only by the watchdog: set ``train.step_timeout`` (or ``HPCTRAIN_WATCHDOG_TIMEOUT``).
-"""
+It trains as ``hpctrain train`` does, in one run directory that every launch is given. Inside a Slurm
+allocation the ranks are started with ``srun --mpi=pmix`` (the allocation decides how many), elsewhere with
+``mpirun -n RANKS``. What it restarts, on how many ranks, and what it records: :mod:`hpctrain.job.relaunch`. A
+hang is ended only by the watchdog: set ``train.step_timeout`` (or ``HPCTRAIN_WATCHDOG_TIMEOUT``)."""
 import argparse
 import sys
 

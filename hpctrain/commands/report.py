@@ -3,8 +3,7 @@
     hpctrain report runs/digits-20250101-120000            # writes RUN_DIR/report/
     hpctrain report RUN_DIR --out /tmp/report
 
-What it draws and sums up: :mod:`hpctrain.monitoring.report`.
-"""
+What it draws and sums up: :mod:`hpctrain.monitoring.report`."""
 import argparse
 import sys
 from pathlib import Path

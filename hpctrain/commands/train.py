@@ -1,7 +1,5 @@
-"""``hpctrain train CONFIG [section.key=value ...]``, also ``python -m hpctrain.commands.train``.
-
-    mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32
-"""
+"""``hpctrain train CONFIG [section.key=value ...]``, also ``python -m hpctrain.commands.train``; e.g.
+``mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32``."""
 import argparse
 import sys
 

@@ -1,7 +1,6 @@
-"""Configuration: the schema of every section and choice (:mod:`.schema`), reading it from
-TOML, the environment and ``key=value`` overrides (:mod:`.loading`), the one validation of
-choices and ranges (:mod:`.validation`), and the user's code named by import path
-(:mod:`.usercode`).
+"""Configuration: the schema of every section and choice (:mod:`.schema`), reading it from TOML, the
+environment and ``key=value`` overrides (:mod:`.loading`), the one validation of choices and ranges
+(:mod:`.validation`), and the user's code named by import path (:mod:`.usercode`).
 
 >>> cfg = load_config("examples/digits.toml", ["train.batch_size=32", "comm.compression=fp16"])  # doctest: +SKIP
 >>> cfg = validate(cfg, world_size=2)                                                               # doctest: +SKIP

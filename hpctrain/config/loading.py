@@ -1,6 +1,5 @@
-"""Reading a configuration: a TOML file, then ``HPCTRAIN_BACKEND`` (see
-:mod:`hpctrain.settings`), then ``section.key=value`` overrides typed by the field they set;
-each later source wins.
+"""Reading a configuration: a TOML file, then ``HPCTRAIN_BACKEND`` (:mod:`hpctrain.settings`), then
+``section.key=value`` overrides typed by the field they set; each later source wins.
 
 >>> cfg = load_config("examples/digits.toml", ["train.batch_size=32", "comm.compression=fp16"])  # doctest: +SKIP
 """
@@ -65,8 +64,7 @@ def _read_toml(path):
 
 
 def load_config(path=None, overrides=(), environ=None):
-    """Read a TOML file (or start from defaults), then apply environment variables
-    (``HPCTRAIN_BACKEND``), then ``key=value`` overrides; each later source wins.
+    """Read a TOML file (or start from defaults), then ``HPCTRAIN_BACKEND``, then ``key=value`` overrides.
 
     >>> cfg = load_config("examples/digits.toml", ["train.batch_size=32", "comm.backend=mpi"])  # doctest: +SKIP
     """

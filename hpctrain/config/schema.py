@@ -1,10 +1,7 @@
-"""The configuration's schema: one dataclass per TOML section, every choice a key takes, and
-how a value of each field is typed (from TOML, or from the text of a ``key=value`` override).
-
-    [run]   [model]   [data]   [train]   [comm]   [checkpoint]   [monitor]   [parallel]
-
-Every tuple of choices lives here, and the modules that act on a choice import it from here.
-Unknown sections and keys are errors that list the valid ones.
+"""The configuration's schema: one dataclass per TOML section ([run], [model], [data], [train], [comm],
+[checkpoint], [monitor], [parallel]), every choice a key takes, and how a value of each field is typed (from
+TOML, or from the text of a ``key=value`` override). Every tuple of choices lives here, and the modules that
+act on a choice import it from here. Unknown sections and keys are errors that list the valid ones.
 
 >>> cfg = TrainConfig()
 >>> cfg.train.batch_size = 64
@@ -91,7 +88,7 @@ class ModelConfig:
     residual: bool = False
     layer_norm: bool = False
     dropout: float = 0.0
-    # Your own model instead (hpctrain/factories.py): "package.module:function" returning an
+    # Your own model instead (hpctrain/config/usercode.py): "package.module:function" returning an
     # nn.Module, called with the keyword arguments of [model.kwargs]; the fields above are then unused.
     factory: str = ""
     kwargs: dict = field(default_factory=dict)
@@ -134,19 +131,17 @@ class LoopConfig:
     eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
     eval_batch_size: int = 0  # 0: batch_size
     step_timeout: float = 0.0  # seconds; a longer step aborts the job (0: HPCTRAIN_WATCHDOG_TIMEOUT, else off)
-    # A step whose averaged gradients hold NaN or infinity is never applied. What follows:
-    # "auto" (default, for unattended jobs): skip the update; after max_nonfinite_skips
-    #   consecutive skipped steps, roll back to the newest checkpoint with the learning rate
-    #   multiplied by rollback_lr_factor; after max_rollbacks rollbacks (or with no checkpoint
-    #   to go back to), stop with an error naming the step and the first non-finite gradient.
-    # "skip": skip, and stop after max_nonfinite_skips consecutive skips.
-    # "rollback": roll back at once (then as "auto"). "stop": stop at the first one.
-    # With fp16 the GradScaler skips such steps itself (and lowers its scale); nothing more.
+    # A step whose averaged gradients hold NaN or infinity is never applied. Then: "auto" (default, for
+    # unattended jobs): skip the update; after max_nonfinite_skips skips in a row, roll back to the newest
+    # checkpoint with the learning rate x rollback_lr_factor; after max_rollbacks rollbacks (or with no
+    # checkpoint), stop with an error naming the step and the first non-finite gradient. "skip": skip; stop
+    # after max_nonfinite_skips in a row. "rollback": roll back at once (then as "auto"). "stop": stop at the
+    # first one. With fp16 the GradScaler skips such steps itself (and lowers its scale); nothing more.
     on_nonfinite: str = "auto"
     max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
     max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
     rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
-    # loss(output, target) -> scalar: a built-in name (factories.LOSSES) or "package.module:function"
+    # loss(output, target) -> scalar: a built-in name (LOSSES above) or "package.module:function"
     loss: str = "cross_entropy"
     # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
     metrics: str = ""
@@ -197,10 +192,9 @@ class MonitorConfig:
 
 @dataclass
 class ParallelConfig:
-    """``[parallel]``: split the model over ranks (docs/parallelism.md). Each replica is
-    ``stages x tensor`` ranks; replicas = ranks / (stages x tensor). With ``stages = tensor = 1``
-    (the default) training is data-parallel and nothing here is used. In a split run
-    ``train.batch_size`` is per replica (one pipeline pass, cut into ``micro_batches``)."""
+    """``[parallel]``: split the model over ranks (docs/parallelism.md); each replica is ``stages x tensor``
+    ranks. With ``stages = tensor = 1`` (the default) training is data-parallel and nothing here is used. In a
+    split run ``train.batch_size`` is per replica (one pipeline pass, cut into ``micro_batches``)."""
 
     stages: int = 1  # pipeline stages (consecutive layers per stage)
     tensor: int = 1  # tensor-parallel ranks per stage (attention heads and MLP widths split)

@@ -2,31 +2,25 @@
 
     [run]
     python_path = ["src"]                 # importable besides the working directory
-
     [model]
     factory = "mypkg.models:make_net"     # -> an nn.Module
     kwargs = { width = 256, depth = 4 }   # or a [model.kwargs] table; model.kwargs.width=1024 overrides
-
     [data]
     factory = "mypkg.data:splits"         # -> (train, val) datasets, or one dataset (no evaluation)
     kwargs = { path = "data/corpus.h5" }
-
     [train]
     loss = "cross_entropy"                # a name in LOSSES, or "mypkg.losses:my_loss"
     metrics = "mypkg.metrics:scores"      # optional: (output, target) -> {name: (sum, count)}
 
-:func:`check_user_code` runs inside ``config.validate`` (every rank, before any collective): each
-path is imported and its keyword arguments are bound to the function's signature, so a typo fails
-at once, on every rank alike, as a :class:`ConfigError` naming the key, the path and the fix.
-The calls happen in the trainer's set-up: :func:`hpctrain.models.build_model`,
-:func:`hpctrain.data.build_data`, :func:`hpctrain.training.losses.build_loss` and ``build_metrics``.
-
-A dataset is anything with ``__len__`` and ``read(indices) -> (x, y)`` (see
-:class:`hpctrain.data.ArrayDataset`), or a map-style torch dataset (``dataset[i] -> (x, y)``).
-The data factory runs on rank 0 first and on the other ranks only after it returned, so a
-factory that prepares a file when it is missing (download, tokenise, cache as HDF5) does that
-once: the other ranks find the file made.
-"""
+:func:`check_user_code` runs inside ``config.validate`` (every rank, before any collective): each path is
+imported and its keyword arguments are bound to the function's signature, so a typo fails at once, on every
+rank alike, as a :class:`ConfigError` naming the key, the path and the fix. The calls happen in the trainer's
+set-up: :func:`hpctrain.models.build_model`, :func:`hpctrain.data.build_data`,
+:func:`hpctrain.training.losses.build_loss` and ``build_metrics``. A dataset is anything with ``__len__`` and
+``read(indices) -> (x, y)`` (see :class:`hpctrain.data.ArrayDataset`), or a map-style torch dataset
+(``dataset[i] -> (x, y)``). The data factory runs on rank 0 first and on the other ranks only after it
+returned, so a factory that prepares a file when it is missing (download, tokenise, cache as HDF5) does that
+once: the other ranks find the file made."""
 import importlib
 import inspect
 import os
@@ -47,8 +41,7 @@ def make_importable(python_path=()):
 
 
 def resolve(spec, key):
-    """The object ``"package.module:attribute"`` names; ``key`` (``model.factory``) is the
-    setting that named it, for the message. Raises :class:`ConfigError`."""
+    """The object ``"package.module:attribute"`` names; raises :class:`ConfigError` naming setting ``key``."""
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key} = {spec!r} is not an import path of the form \"package.module:function\"",

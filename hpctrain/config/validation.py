@@ -1,6 +1,5 @@
-"""Validation: the one place where choices and ranges are checked, on every rank before any
-collective (:func:`validate`), and the batch arithmetic that makes a global batch the same on
-any number of ranks (:func:`resolve_global_batch`).
+"""Validation: the one check of choices and ranges, on every rank before any collective (:func:`validate`),
+and the batch arithmetic that keeps a global batch the same on any rank count (:func:`resolve_global_batch`).
 
 >>> cfg = validate(load_config("examples/digits.toml"), world_size=2)   # doctest: +SKIP
 """
@@ -28,11 +27,10 @@ def _check_finite(cfg):
 
 
 def resolve_global_batch(global_batch, ranks, accumulation=1):
-    """``(batch_size, accumulation, note)`` that make ``global_batch = batch_size x ranks x
-    accumulation`` on ``ranks`` ranks: the smallest accumulation >= the configured one for which
-    the global batch divides evenly, so that the same samples make each step on any number of
-    ranks. ``note`` says what changed (``None`` when the accumulation is the configured one).
-    Raises :class:`ConfigError` naming what to set when no accumulation fits (pure).
+    """``(batch_size, accumulation, note)`` that make ``global_batch = batch_size x ranks x accumulation`` on
+    ``ranks`` ranks: the smallest accumulation >= the configured one for which the global batch divides
+    evenly, so the same samples make each step on any number of ranks. ``note``: what changed, or ``None``.
+    Pure; raises :class:`ConfigError` naming what to set when no accumulation fits.
 
     >>> resolve_global_batch(48, 3, 1)
     (16, 1, None)
@@ -77,12 +75,9 @@ def _positive(name, value, zero_ok=False):
 
 
 def validate(cfg, world_size=1, cuda=False, need_data=True):
-    """Check values that no single field's type can; return a resolved copy.
-
-    The copy has ``train.batch_size`` (per rank) derived from ``global_batch_size`` when that
-    is set, with the accumulation raised where needed (:func:`resolve_global_batch`; ``cfg.notes``
-    then says what changed). Raises :class:`ConfigError` naming the key, the value and the fix.
-    """
+    """Check what no single field's type can; return a resolved copy: ``train.batch_size`` (per rank) derived
+    from ``global_batch_size`` if set, the accumulation raised where needed (:func:`resolve_global_batch`;
+    ``cfg.notes`` says what changed). Raises :class:`ConfigError` naming the key, the value and the fix."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train))
     _check_finite(cfg)
     _check_train(cfg, cuda)

@@ -1,5 +1,4 @@
-"""Training data: which samples each rank reads (:mod:`.sampler`), datasets and how a run opens
-them (:mod:`.datasets`), the data sets hpctrain generates (:mod:`.generated`)."""
+"""Data: which samples each rank reads (:mod:`.sampler`), datasets (:mod:`.datasets`, :mod:`.generated`)."""
 from .datasets import ArrayDataset, HDF5Dataset, as_dataset, build_data, open_datasets, open_splits
 from .generated import generate, make_digits_h5, make_teacher_h5
 from .sampler import ShardSampler, eval_shard

@@ -1,9 +1,4 @@
-"""Datasets: anything with ``read(indices) -> (x, y)``. :class:`HDF5Dataset` opens its file
-read-only on each rank (serial h5py) and reads only the indices that rank asks for, sorted, a
-chunk at a time; :class:`ArrayDataset` holds arrays in memory; a map-style torch dataset is
-wrapped (:func:`as_dataset`). :func:`open_datasets` gives a run its (train, val): handed in,
-from the user's ``[data] factory``, or from the ``[data]`` file (generated where asked).
-"""
+"""Datasets (anything with ``read(indices) -> (x, y)``) and how a run opens them (:func:`open_datasets`)."""
 import os
 
 import numpy as np
@@ -33,7 +28,8 @@ class ArrayDataset:
 
 
 class HDF5Dataset:
-    """Samples ``x[i]``, labels ``y[i]`` from an HDF5 file; each rank reads only what it asks.
+    """Samples ``x[i]``, labels ``y[i]`` from an HDF5 file, opened read-only on each rank (serial h5py); each
+    rank reads only the indices it asks for, sorted, a chunk at a time.
 
     >>> train = HDF5Dataset("data/digits.h5", x="train/x", y="train/y")     # doctest: +SKIP
     >>> x, y = train.read([5, 1, 3])                                        # doctest: +SKIP
@@ -133,9 +129,8 @@ def open_splits(data_cfg):
 
 
 def build_data(data_cfg, comm):
-    """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``.
-    Collective: rank 0 calls the factory first, the others after it returned; an error on
-    any rank is raised on every rank."""
+    """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``. Collective: rank 0
+    calls the factory first, the others after it returned; an error on any rank is raised on all."""
     made = {}
 
     def first():

@@ -1,5 +1,4 @@
-"""The data sets hpctrain makes itself (``data.generate``): scikit-learn's bundled digits and a
-synthetic "teacher" corpus, written atomically as HDF5. Nothing is downloaded."""
+"""The data sets hpctrain makes (``data.generate``), written atomically as HDF5; nothing is downloaded."""
 import os
 
 import numpy as np

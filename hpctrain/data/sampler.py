@@ -1,12 +1,10 @@
 """Which samples each rank reads at each step: deterministic and resumable (pure: no I/O).
 
-Each epoch has one global order, a permutation drawn from ``(seed, epoch)``. Every optimizer
-step consumes the next ``global_batch = batch_size x ranks x accumulation`` samples of that
-order; rank ``r`` takes the ``r``-th slice of ``batch_size x accumulation`` and splits it into
-``accumulation`` micro-batches. The position in the epoch is one global number
-(``Progress.samples_in_epoch``), so a run resumes mid-epoch on any number of ranks and
-continues the same global order. A last partial global batch is dropped, so every step
-averages the same number of samples.
+Each epoch has one global order, a permutation drawn from ``(seed, epoch)``. Each step takes the next
+``global_batch = batch_size x ranks x accumulation`` samples; rank ``r`` takes the ``r``-th slice of
+``batch_size x accumulation``, split into ``accumulation`` micro-batches. The position in the epoch is one
+global number (``Progress.samples_in_epoch``), so a run resumes mid-epoch on any number of ranks, in the same
+order. A last partial global batch is dropped, so every step averages the same number of samples.
 
 >>> sampler = ShardSampler(len(train), seed=0, batch_size=32, ranks=world.size)     # doctest: +SKIP
 >>> for micro_batches in sampler.steps(epoch, samples_in_epoch, world.rank):        # doctest: +SKIP
@@ -35,8 +33,7 @@ class ShardSampler:
         return np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_samples)
 
     def steps(self, epoch, samples_in_epoch=0, rank=0):
-        """Yield, for each remaining step of the epoch, this rank's ``accumulation``
-        micro-batches of indices; starting ``samples_in_epoch`` samples into the epoch."""
+        """Yield this rank's micro-batches for each step from ``samples_in_epoch`` to the epoch's end."""
         order = self.permutation(epoch)
         per_rank = self.batch_size * self.accumulation
         start = int(samples_in_epoch)

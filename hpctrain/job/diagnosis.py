@@ -1,8 +1,7 @@
-"""What failed in a launch of the job: the ranks' failure records
-(:func:`hpctrain.runtime.coordination.record`) and the launcher's report. A rank killed by a signal writes nothing; :func:`launcher_events`
-reads which rank, host and signal from what ``mpirun`` (Open MPI) or ``srun`` printed.
-:func:`diagnose` puts both together into one :class:`Failure` and says whether relaunching can
-help (pure).
+"""What failed in a launch: the ranks' failure records (:func:`hpctrain.runtime.coordination.record`) and the
+launcher's report. A rank killed by a signal writes nothing: :func:`launcher_events` reads which rank, host
+and signal from what ``mpirun`` (Open MPI) or ``srun`` printed. :func:`diagnose` puts both together into one
+:class:`Failure` and says whether relaunching can help (pure).
 
 >>> diagnose(137, [], launcher_events("mpirun noticed that process rank 1 with PID 0 on node n3 "
 ...                                    "exited on signal 9 (Killed)."), hosts=["n3", "n3"]).describe()
@@ -69,8 +68,7 @@ def launcher_events(text):
 class Failure:
     """Why one launch of the job did not succeed, and whether a relaunch can help."""
 
-    cause: str  # "signal", "exception", "hang", "exit", "bad_input", "diverged", "stopped", "failure",
-    #             "node_failure"
+    cause: str  # signal, exception, hang, exit, bad_input, diverged, stopped, failure or node_failure
     status: int  # the job's exit status as the supervisor passes it on
     restartable: bool
     rank: Optional[int] = None
@@ -113,17 +111,14 @@ def _by_status(status):
 
 
 def diagnose(returncode, records=(), events=(), hosts=None):
-    """One :class:`Failure` from the launcher's exit status, the ranks' records of this launch
-    and the launcher's events (pure). When the first thing the launcher reports is a rank
-    killed by a signal, that is the cause (the others' records describe the consequences); a
-    node that srun reports lost (``Node failure on n3``) comes before all of that;
-    else the first record of a rank that failed itself (not a ``RemoteError``: that names
-    another rank's failure); else what the launcher said; else the exit status. Never
-    restartable: bad input (2, the same error would repeat), a requested stop (3, the job
-    script requeues) and divergence (5)."""
+    """One :class:`Failure` from the launcher's exit status, the ranks' records of this launch and the
+    launcher's events (pure). The cause, by precedence: a node srun reports lost (``Node failure on n3``); a
+    rank killed by a signal, when the launcher reports that first (the others' records describe the
+    consequences); the first record of a rank that failed itself (not a ``RemoteError``: that names another
+    rank's failure); what the launcher said; the exit status. Never restartable: bad input (2, the same error
+    would repeat), a requested stop (3, the job script requeues) and divergence (5)."""
     events = list(events)
-    # A node Slurm lost explains what the ranks did (a hang or an error in a collective with its
-    # ranks): it is the cause, and the node to leave out.
+    # A lost node explains the ranks' hangs or collective errors with it: the cause, and the node to drop.
     lost = [e for e in events if e.get("node_failure")]
     if lost:
         return Failure("node_failure", EXIT_OTHER, True, host=lost[0]["host"], source=lost[0]["source"])

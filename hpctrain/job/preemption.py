@@ -1,11 +1,12 @@
-"""Preemption: a signal from Slurm becomes a flag; the trainer turns the flag into a
-checkpoint and exit status :data:`EXIT_PREEMPTED` (3); the job script then requeues the job.
+"""Preemption: a signal from Slurm becomes a flag; the trainer turns the flag into a checkpoint and exit
+status :data:`EXIT_PREEMPTED` (3); the job script (``slurm/preemptible.sbatch``) then requeues the job with
+``python -m hpctrain.job.preemption requeue`` (``scontrol requeue`` of this job, or of its
+``<array job>_<task>`` id in a job array).
 
-Slurm warns a job before its time limit or a preemption with a signal chosen in the job
-script (``#SBATCH --signal=B:USR1@120``, or ``scancel --signal=USR1``), and sends SIGTERM
-when it ends the job. Here both only set a flag: the handler does no I/O and touches no
-MPI, since it may run while this rank is inside a collective. Only some ranks may get the
-signal, so the trainer agrees at the next step boundary::
+Slurm warns a job before its time limit or a preemption with a signal chosen in the job script
+(``#SBATCH --signal=B:USR1@120``, or ``scancel --signal=USR1``), and sends SIGTERM when it ends the job. Both
+only set a flag here: the handler does no I/O and no MPI, since it may run while this rank is inside a
+collective. Only some ranks may get the signal, so the trainer agrees at the next step boundary::
 
     from hpctrain.job import preemption
     from hpctrain.runtime.coordination import any_rank
@@ -16,15 +17,6 @@ signal, so the trainer agrees at the next step boundary::
         if any_rank(preemption.stop_requested(), comm):
             save_checkpoint(requested=True)
             sys.exit(preemption.EXIT_PREEMPTED)
-
-``hpctrain train`` installs the handler first thing (``hpctrain.cli.main``), before torch,
-mpi4py and MPI start: a warning that arrives while a rank is still starting sets the flag
-instead of killing the rank (SIGUSR1's default action, status 138 from srun). Installing again
-later keeps a flag already set, so the first step boundary stops.
-
-The job script (``slurm/preemptible.sbatch``) sees exit status 3 and runs
-``python -m hpctrain.job.preemption requeue``, which calls ``scontrol requeue`` for this job
-(the ``<array job>_<task>`` id inside a job array).
 """
 import os
 import shutil
@@ -50,11 +42,11 @@ def _handler(signum, frame):
 
 
 def install(signals=DEFAULT_SIGNALS):
-    """Turn ``signals`` into the stop flag on this rank. Call from the main thread.
-
-    Returns the signals installed. Calling it again is harmless and keeps a signal already
-    received (``hpctrain train`` installs it before its imports, the trainer again later).
-    """
+    """Turn ``signals`` into the stop flag on this rank; call from the main thread. Returns the signals
+    installed. Calling it again keeps a signal already received, so the first step boundary stops.
+    ``hpctrain train`` installs it first thing (``hpctrain.cli.main``), before torch, mpi4py and MPI start, so
+    that a warning arriving while a rank is still starting sets the flag instead of killing the rank
+    (SIGUSR1's default action, status 138 from srun); the trainer installs it again later."""
     for sig in signals:
         current = signal.getsignal(sig)
         if current is not _handler:
@@ -91,13 +83,10 @@ class RequeueError(HpctrainError):
 
 
 def requeue_if_possible(environ=None, scontrol=None, timeout=60):
-    """Requeue this Slurm job with ``scontrol requeue``. Returns the job id requeued, or
-    ``None`` (after saying why on stderr) when not running under Slurm.
-
-    Raises :class:`RequeueError` when under Slurm but ``scontrol`` is missing or refuses
-    (for example a job submitted with ``--no-requeue``): the checkpoint is saved, but the
-    job would otherwise silently not come back.
-    """
+    """Requeue this Slurm job with ``scontrol requeue``. Returns the job id requeued, or ``None`` (after
+    saying why on stderr) when not running under Slurm. Raises :class:`RequeueError` when under Slurm but
+    ``scontrol`` is missing or refuses (e.g. a job submitted with ``--no-requeue``): the checkpoint is
+    saved, but the job would otherwise silently not come back."""
     env = os.environ if environ is None else environ
     job = slurm.job_id(env)
     if job is None:

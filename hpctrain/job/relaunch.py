@@ -8,24 +8,20 @@ what mpirun or srun printed say what failed (:mod:`.diagnosis`). Then:
 * exit status 0: done; 3 (a requested stop, e.g. Slurm's warning signal): passed on, not
   restarted, so that a job script can requeue; 2 (bad input) and 5 (diverged): not restarted,
   the same run would fail the same way; it says so and exits with that status;
-* anything else (an exception on one rank, a rank killed, a hang the watchdog ended, exit 4)
-  is relaunched, at most ``--max-restarts`` times: without the failed node when the job spans
-  several (``srun --exclude``, or an mpirun host list without it; not for a hang, which names
-  no culprit: every rank's watchdog fires); on one node at the same size, or one rank fewer
-  with ``--shrink``; never on fewer than ``--min-ranks``.
+* anything else (an exception on one rank, a rank killed, a hang the watchdog ended, exit 4) is relaunched, at
+  most ``--max-restarts`` times: without the failed node when the job spans several (``srun --exclude``, or an
+  mpirun host list without it; not for a hang, which names no culprit: every rank's watchdog fires); on one
+  node at the same size, or one rank fewer with ``--shrink``; never on fewer than ``--min-ranks``.
 
-A node Slurm loses inside the allocation (``srun: error: Node failure on n3``, or a node Slurm
-flags as not responding after the launch failed: one cut off from the network leaves the other
-ranks hung, and the watchdog names no culprit) is the cause, whatever the ranks reported: the
+A node Slurm loses inside the allocation (``srun: error: Node failure on n3``, or one Slurm flags as not
+responding after the launch failed: see :func:`lost_node`) is the cause, whatever the ranks reported: the
 relaunch leaves it out, once Slurm has marked it down or taken it out of the allocation.
 
-With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so
-the sample order and the training (``config.resolve_global_batch``: the per-rank batch or the
-accumulation changes, and it is said); where it cannot, the supervisor relaunches on the
-largest rank count that can, or stops saying what to set. Every restart is a ``restart``
-record in ``metrics.jsonl`` (cause, rank, host, ranks before and after, steps lost), shown
-by ``hpctrain report``; a run it gives up on ends with a ``launch_stop`` record.
-"""
+With ``train.global_batch_size`` set, a relaunch on fewer ranks keeps the global batch, and so the sample
+order and the training (``config.resolve_global_batch``: the per-rank batch or the accumulation changes, and
+it is said); where it cannot, the supervisor relaunches on the largest rank count that can, or stops saying
+what to set. Every restart is a ``restart`` record in ``metrics.jsonl`` (cause, rank, host, ranks before and
+after, steps lost), shown by ``hpctrain report``; a run it gives up on ends with a ``launch_stop`` record."""
 import collections
 import json
 import os
@@ -46,8 +42,7 @@ from . import diagnosis, rundir
 from .launchers import Mpirun, Srun, run_launch
 
 PROGRAM = "hpctrain launch"  # the name its messages begin with
-# After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering
-# (cut off from the network: its ranks hang like the others and srun names no node).
+# After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering (lost_node).
 NODE_CHECK_SECONDS = 30
 # ... and, once it is flagged, for Slurm to mark it down (after its SlurmdTimeout, 300 s by default).
 NODE_DOWN_SECONDS = 600
@@ -283,8 +278,7 @@ def lost_node(p, failed, hosts, job_id):
         time.sleep(2)
     node = lost[0]
     say(f"{failed.describe()}; Slurm reports node {node} not responding")
-    # Until Slurm marks the node down and takes it out of the allocation (SlurmdTimeout), a new
-    # step cannot start ("Requested nodes are busy", then fails as the node is removed).
+    # Until the node is down or out of the job, a new step waits ("Requested nodes are busy"), then fails.
     started = time.monotonic()
     said = None
     while not (state := slurm.node_state(node)).startswith(slurm.DOWN_STATES) and not slurm.left_allocation(node,

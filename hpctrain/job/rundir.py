@@ -2,8 +2,7 @@
 
 ``run.run_dir`` when set (a requeued job comes back to it), else a new
 ``<run.root or HPCTRAIN_RUN_ROOT or runs>/<run.name>-<date>-<time>``. Its files are named here,
-for everything that writes or reads them.
-"""
+for everything that writes or reads them."""
 import dataclasses
 import os
 import time
@@ -36,8 +35,7 @@ def create(cfg, world, backend):
     """Create the run directory (rank 0) and write the resolved configuration into it."""
     path = cfg.run.run_dir or new_path(cfg)
     os.makedirs(path, exist_ok=True)
-    # One job per run directory, and per checkpoint directory wherever that is: a second job
-    # stops here, before it overwrites anything (runlock.release(path) frees both).
+    # A second job on either directory stops here, before overwriting anything; release(path) frees both.
     runlock.acquire(path, checkpoint_dir=cfg.checkpoint.directory)
     resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:

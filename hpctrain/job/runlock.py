@@ -1,46 +1,39 @@
-"""One job per run directory (and per checkpoint directory): a lock file that a second job
-pointed at the same directory runs into, with who holds it and how to proceed, before
-anything is overwritten.
+"""One job per run directory (and per checkpoint directory): a lock file that a second job pointed at the
+same directory runs into, with who holds it and how to proceed, before anything is overwritten.
 
-The lock file ``.hpctrain.lock`` holds its owner: Slurm job, step and restart count, host,
-pid (with the process start time, so a reused pid is not mistaken for the owner) and a
-random token naming this one holding. A lock is taken over, not refused, when its owner is
-evidently gone:
+The lock file ``.hpctrain.lock`` holds its owner: Slurm job, step and restart count, host, pid (with the
+process start time, so a reused pid is not mistaken for the owner) and a random token naming this one
+holding. A lock is taken over, not refused, when its owner is evidently gone (but a second live step of the
+same allocation, ``srun`` twice on one run directory, is refused):
 
-* a process of this host that no longer exists (a crash, ``kill -9``; also exited but not
-  yet reaped, or its pid now used by another process),
-* an earlier run of the same Slurm job (requeued: a higher ``SLURM_RESTART_COUNT``, or the
-  same step id, which a live job never gives twice),
-* another step of the same Slurm job that ``squeue --steps`` no longer lists (the batch
-  step, which lives as long as the job, only when it was on this host and has exited),
+* a process of this host that no longer exists (a crash, ``kill -9``; also exited but not yet reaped, or
+  its pid now used by another process),
+* an earlier run of the same Slurm job (requeued: a higher ``SLURM_RESTART_COUNT``, or the same step id,
+  which a live job never gives twice),
+* another step of the same Slurm job that ``squeue --steps`` no longer lists (the batch step, which lives
+  as long as the job, only when it was on this host and has exited),
 * a Slurm job that ``squeue`` no longer lists as pending or running.
-
-A second live step of the same allocation (``srun`` twice on one run directory) is refused.
 
 How the lock is taken, and what that relies on (plain POSIX names, so NFS and Lustre too):
 
-* **Creating** a free lock: the owner record is written and fsynced under a private name,
-  then ``link``\\ ed to ``.hpctrain.lock``. ``link`` fails with ``EEXIST`` when the name is
-  taken, atomically, on local file systems, NFSv3+ and Lustre; the lock never exists
-  half-written. (A retransmitted NFS ``link`` can report ``EEXIST`` for a link it made:
-  the private file's link count then says so.)
-* **Taking over** a stale lock with token ``T``: first create ``.hpctrain.lock.claim-T``
-  with ``O_CREAT | O_EXCL`` (atomic on NFSv3+ and Lustre). Exactly one process can create
-  it; only that one replaces the lock file (``rename`` of its own record over it). The others
-  look again and find the new, live owner.
-* **Releasing** goes through the same claim: the owner creates ``claim-T`` of its own token
-  before it removes the lock file. So while the lock file holds ``T``, only the one process
-  holding ``claim-T`` may change or remove it, and a process that judged ``T`` stale a moment
-  ago cannot replace a lock created after ``T`` was released.
-* Claims are kept for :data:`CLAIM_KEEP` seconds (judged by the file server's clock) and a
-  judgement older than a quarter of that is made again, so no claim is removed while a
-  process could still act on the judgement that it guards.
-* Nothing relies on ``flock``/``fcntl`` locks (missing or local-only on some parallel file
-  systems) or on clocks agreeing between hosts.
+* **Creating** a free lock: the owner record is written and fsynced under a private name, then
+  ``link``\\ ed to ``.hpctrain.lock``. ``link`` fails with ``EEXIST`` when the name is taken, atomically,
+  on local file systems, NFSv3+ and Lustre; the lock never exists half-written. (A retransmitted NFS
+  ``link`` can report ``EEXIST`` for a link it made: the private file's link count then says so.)
+* **Taking over** a stale lock with token ``T``: first create ``.hpctrain.lock.claim-T`` with
+  ``O_CREAT | O_EXCL`` (atomic on NFSv3+ and Lustre). Exactly one process can create it, and only it replaces
+  the lock file (``rename`` of its own record over it); the others look again and find the new, live owner.
+* **Releasing** uses the same claim: the owner creates ``claim-T`` of its own token before removing the lock
+  file. So while the lock file holds ``T``, only the one process holding ``claim-T`` may change or remove it,
+  and a process that judged ``T`` stale a moment ago cannot replace a lock created after ``T`` was released.
+* Claims are kept for :data:`CLAIM_KEEP` seconds (judged by the file server's clock) and a judgement older
+  than a quarter of that is made again, so no claim is removed while a process could still act on the
+  judgement that it guards.
+* Nothing relies on ``flock``/``fcntl`` locks (missing or local-only on some parallel file systems) or on
+  clocks agreeing between hosts.
 
-Rank 0 takes the lock inside :func:`hpctrain.job.rundir.create`, and releases it
-(``release(run_dir)``, which also frees the checkpoint directory's lock) at the end.
-"""
+Rank 0 takes the lock inside :func:`hpctrain.job.rundir.create`, and releases it (``release(run_dir)``,
+which also frees the checkpoint directory's lock) at the end."""
 import contextlib
 import json
 import logging
@@ -188,8 +181,7 @@ def _link_new(record_path, path):
 
 
 def _remove_old_claims(directory, reference_path):
-    """Remove claims older than CLAIM_KEEP, measured against a file just written here (the
-    file server's clock, not this host's)."""
+    """Remove claims older than CLAIM_KEEP, timed by a file just written here (the file server's clock)."""
     try:
         now = os.stat(reference_path).st_mtime
         names = os.listdir(directory)
@@ -248,8 +240,7 @@ def _take(directory, path, record, me, kind):
         reason = stale_reason(holder, me)
         if (reason is None and not holder.get("slurm_job") and holder.get("host") == me["host"]
                 and time.monotonic() < settle_until):
-            # perhaps the rank 0 of a crashed mpirun job on this host, still being torn
-            # down (a Slurm job's end is known from squeue instead)
+            # maybe a crashed mpirun job's rank 0, still being torn down (squeue tells of a Slurm job's end)
             time.sleep(0.25)
             continue
         if reason is None:
@@ -281,14 +272,12 @@ def _same(a, b):
 
 
 def acquire(run_dir, environ=None, checkpoint_dir=None):
-    """Take the lock of ``run_dir`` (created if missing) and, when given and elsewhere, of
-    ``checkpoint_dir`` for the same holder. Returns the run directory lock file's path.
-
-    Raises :class:`RunDirBusy` naming the holder when another live job holds either; then
-    nothing is held.
+    """Take the lock of ``run_dir`` (created if missing) and, when given and elsewhere, of ``checkpoint_dir``
+    for the same holder; returns the run directory lock file's path. Raises :class:`RunDirBusy` naming the
+    holder when another live job holds either; then nothing is held.
 
     >>> runlock.acquire("runs/a", checkpoint_dir="/scratch/ckpt")   # doctest: +SKIP
-    >>> runlock.release("runs/a")        # frees both
+    >>> runlock.release("runs/a")        # frees both  # doctest: +SKIP
     """
     me = _owner(environ)
     me["run_dir"] = os.path.abspath(run_dir)
@@ -318,9 +307,8 @@ def _release_one(path, token):
 
 
 def release(path, environ=None):
-    """Release the lock (``path``, or the run directory holding it) if it is still this
-    process's, and the checkpoint directory's lock taken with it. (``environ`` is unused:
-    ownership is this process.)"""
+    """Release the lock (``path``, or the run directory holding it) if it is still this process's, and the
+    checkpoint directory's lock taken with it. (``environ`` is unused: ownership is this process.)"""
     if os.path.isdir(path):
         path = os.path.join(path, LOCK_NAME)
     try:

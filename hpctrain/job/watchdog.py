@@ -1,10 +1,9 @@
 """Hang detection: a thread that ends the whole job when a step takes far too long.
 
-A rank stuck in a collective (another rank died without MPI noticing, a deadlock, a dead
-file system) otherwise holds the allocation until the time limit. The trainer arms the
-watchdog around each step; if the step is still running after ``timeout`` seconds, the
-watchdog prints which rank and host, dumps the stack of every thread of this process, and
-calls ``MPI_Abort`` so that every rank ends with a non-zero status::
+A rank stuck in a collective (another rank died without MPI noticing, a deadlock, a dead file system)
+otherwise holds the allocation until the time limit. The trainer arms the watchdog around each step; if
+the step still runs after ``timeout`` seconds, the watchdog prints which rank and host, dumps the stack of
+every thread of this process, and calls ``MPI_Abort``, so that every rank ends with a non-zero status::
 
     from hpctrain.job.watchdog import Watchdog
 
@@ -14,17 +13,12 @@ calls ``MPI_Abort`` so that every rank ends with a non-zero status::
             train_step(batch)
     watchdog.close()
 
-``timeout=None`` takes ``HPCTRAIN_WATCHDOG_TIMEOUT`` (seconds); 0 disables the watchdog.
-
-Every other collective phase (a checkpoint save, an evaluation, a resume, the stop
-agreement, the wait for a background save) is guarded the same way, without handing the
-watchdog around: the run's watchdog is the process's active one while its ``with`` block
-runs, and :func:`watching` arms it for a phase::
+Every other collective phase (a checkpoint save, an evaluation, a resume, the stop agreement, the wait
+for a background save) is guarded the same way, without handing the watchdog around: the run's watchdog
+is the process's active one while its ``with`` block runs, and :func:`watching` arms it for a phase::
 
     with watching("checkpoint save"):
         manager.save(state)
-
-Phases nest: an inner phase re-arms the outer one with a fresh timeout when it ends.
 """
 import contextlib
 import faulthandler
@@ -48,13 +42,11 @@ def watching(label, timeout=None):
 
 
 class Watchdog:
-    """Aborts the job when an armed section outlives its timeout.
-
-    ``comm``: the communicator to abort (default ``MPI.COMM_WORLD`` when mpi4py is already
-    imported; a size-1 job just exits). ``where``: how this rank is named in the message
-    (default ``rank R on HOST``). ``grace``: seconds to wait after the dump before aborting,
-    so that other ranks whose watchdogs fire at nearly the same moment can print theirs too.
-    """
+    """Aborts the job when an armed section outlives its timeout. ``timeout``: seconds (``None``:
+    ``HPCTRAIN_WATCHDOG_TIMEOUT``; 0: off). ``comm``: the communicator to abort (default ``MPI.COMM_WORLD``
+    when mpi4py is already imported; a size-1 job just exits). ``where``: how this rank is named in the
+    message (default ``rank R on HOST``). ``grace``: seconds between the dump and the abort, so that other
+    ranks whose watchdogs fire at nearly the same moment can print theirs too."""
 
     def __init__(self, timeout=None, comm=None, where=None, grace=1.0, stream=None):
         if timeout is None:
@@ -102,8 +94,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def step(self, label=None, timeout=None):
-        """Watch one step (or any section): ``with watchdog.step(step_number): ...``.
-        Inside another section, that one is re-armed afresh when this one ends."""
+        """Watch one step (or any section): ``with watchdog.step(step_number): ...``. Nested in another
+        section (or phase), it re-arms that one with a fresh timeout when it ends."""
         with self._cond:
             outer = (self._label, self._armed_for) if self._deadline is not None else None
         self._outer.append(outer)

@@ -1,11 +1,9 @@
 """The models a configuration names (``[model]``), and the user's own.
 
-* ``name = "mlp"`` (:mod:`.mlp`): flatten, ``depth`` hidden layers of width ``hidden``, a linear
-  classifier; with ``residual = true`` pre-norm residual blocks, which keep a deep, wide MLP
-  trainable (the ~25M-parameter model of ``examples/large_mlp.toml``).
-* ``name = "transformer"`` (:mod:`.transformer`): attention and MLP blocks (:mod:`.blocks`) as a
-  stack of layers (:mod:`.stack`) that pipeline stages build one part each of, and whose blocks
-  tensor parallelism splits (:mod:`hpctrain.parallel.tensor`).
+* ``name = "mlp"`` (:mod:`.mlp`): flatten, hidden layers, a linear classifier; pre-norm residual blocks with
+  ``residual = true`` (the ~25M-parameter model of ``examples/large_mlp.toml``).
+* ``name = "transformer"`` (:mod:`.transformer`): attention and MLP blocks (:mod:`.blocks`, split by
+  :mod:`hpctrain.parallel.tensor`) in a stack of layers (:mod:`.stack`), a part per pipeline stage.
 * ``factory = "mypkg.models:build"`` with ``[model.kwargs]``: your own ``nn.Module``
   (:mod:`hpctrain.config.usercode`); or pass the module to :class:`hpctrain.Trainer` from a script.
 """
@@ -14,8 +12,7 @@ from ..errors import ConfigError
 
 
 def build_model(model_cfg):
-    """The ``nn.Module`` of ``[model]`` (a :class:`hpctrain.config.ModelConfig`): the factory's,
-    else the built-in one it names."""
+    """The ``nn.Module`` of a :class:`hpctrain.config.ModelConfig`: the factory's, else the named built-in."""
     if model_cfg.factory:
         from torch import nn
 

@@ -1,6 +1,5 @@
-"""Dense transformer blocks. Their parallel versions in :mod:`hpctrain.parallel.tensor` have the
-same parameter names and shapes, so a model written with these trains in one process, splits
-over tensor-parallel ranks, and checkpoints either way."""
+"""Dense transformer blocks. Their parallel versions (:mod:`hpctrain.parallel.tensor`) share their parameter
+names and shapes, so a model of these trains in one process or tensor-parallel, and checkpoints either way."""
 import torch.nn.functional as F
 from torch import nn
 

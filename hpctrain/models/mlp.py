@@ -1,6 +1,5 @@
-"""The built-in MLP (``[model] name = "mlp"``): flatten, ``depth`` hidden layers of width
-``hidden``, a linear classifier. With ``residual = true`` the hidden layers are pre-norm
-residual blocks (``x + W relu(LayerNorm(x))``), which keep a deep, wide MLP trainable."""
+"""The built-in MLP: flatten, ``depth`` hidden layers of width ``hidden``, a linear classifier. Pre-norm
+residual blocks (``x + W relu(LayerNorm(x))``) with ``residual = true`` keep a deep, wide MLP trainable."""
 import torch
 from torch import nn
 

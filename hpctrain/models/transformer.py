@@ -1,5 +1,6 @@
-"""The built-in model for split runs, ``[model] name = "transformer"``: a stack of layers a
-pipeline can cut anywhere, whose attention and MLP blocks tensor parallelism can split.
+"""The built-in model for split runs, ``[model] name = "transformer"``: a :class:`~.stack.LayerStack` a
+pipeline can cut anywhere (a rank builds only its stage's layers: the model never has to fit one rank), whose
+attention and MLP blocks tensor parallelism can split; ``hidden`` must be a multiple of 4 x parallel.tensor.
 
 A sample of ``in_features`` numbers is read as ``in_features / 8`` tokens of 8 features::
 
@@ -10,11 +11,8 @@ A sample of ``in_features`` numbers is read as ``in_features / 8`` tokens of 8 f
     4 + 4k       LayerNorm(hidden)
     4 depth + 1  Head:   mean over tokens, Linear(hidden, num_classes)
 
-It is a :class:`~.stack.LayerStack`: each rank builds only the layers of its stage, so the
-whole model never has to fit one rank. ``hidden`` must be a multiple of 4 x parallel.tensor.
-
 >>> stack = transformer_stack(cfg.model, seed=0)     # doctest: +SKIP
->>> dense = stack.sequential()                        # the same model in one process
+>>> dense = stack.sequential()                        # the same model in one process  # doctest: +SKIP
 """
 from torch import nn
 

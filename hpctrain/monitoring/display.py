@@ -1,11 +1,7 @@
-"""What rank 0 shows while training: a tqdm bar on a terminal, plain lines in a batch job.
-
-``progress`` is ``"auto"`` (a bar when stderr is a terminal, else lines), ``"bar"``,
-``"log"`` or ``"off"``. Only rank 0 builds a :class:`ProgressDisplay`; the other ranks stay quiet.
-Warnings (slow ranks, diverged parameters) go through :meth:`ProgressDisplay.message`, so they do
-not tear the bar apart.
-
-A log line in a batch job looks like::
+"""What rank 0 shows while training: a tqdm bar on a terminal, plain lines in a batch job. ``progress`` is
+``"auto"`` (a bar when stderr is a terminal, else lines), ``"bar"``, ``"log"`` or ``"off"``. Only rank 0
+builds a :class:`ProgressDisplay`; the other ranks stay quiet. Warnings (slow ranks, diverged parameters) go
+through :meth:`ProgressDisplay.message`, so they do not tear the bar apart. A log line in a batch job::
 
     step 200/1000 epoch 1 loss 0.4312 lr 1.00e-03 5120.3 samples/s 0.050 s/step ETA 0:00:40
 """
@@ -33,8 +29,7 @@ def format_eta(seconds):
 
 def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, eta=None,
                 memory_mib=None):
-    """The plain progress line (pure, for batch logs). ``memory_mib``: the highest peak
-    resident memory of any rank."""
+    """The plain progress line (pure); ``memory_mib``: the highest peak resident memory of any rank."""
     parts = [f"step {step}" + (f"/{total}" if total else ""), f"epoch {epoch}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
@@ -52,8 +47,7 @@ def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step
 
 
 class ProgressDisplay:
-    """Rank 0's view of the run. ``step()`` is called every step, ``interval()`` every
-    ``log_every`` steps with the interval's averages."""
+    """Rank 0's view: ``step()`` every step, ``interval()`` every ``log_every`` steps with their averages."""
 
     def __init__(self, mode="auto", total_steps=None, stream=None):
         self.stream = sys.stderr if stream is None else stream

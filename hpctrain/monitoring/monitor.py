@@ -1,18 +1,12 @@
-"""Watching a run: progress on rank 0, per-rank phase timings, slow nodes, parameter
-consistency across ranks, and ``<run_dir>/metrics.jsonl`` for ``hpctrain report``.
+"""Watching a run: progress on rank 0, per-rank phase timings, slow nodes, parameter consistency across ranks,
+and ``<run_dir>/metrics.jsonl`` for ``hpctrain report``. :class:`Monitor` is a trainer callback (``on_step``,
+``on_eval``, ``on_checkpoint``, ``on_end``) built on every rank. Each rank adds up its own step times
+(:class:`~.timing.PhaseTotals`); every ``gather_every`` steps one ``Gather`` of those sums (a fixed-size
+float64 row) goes to rank 0, and every ``consistency_every`` steps one gather of each rank's
+:func:`~hpctrain.runtime.replicas.parameter_fingerprints`. Nothing is communicated in the other steps; every
+rank must call ``on_step`` at the same steps. ``monitor.root`` is rank 0's :class:`~.runlog.RunLog`, which
+alone prints and writes files (``None`` on the other ranks). What the trainer does::
 
-:class:`Monitor` is a trainer callback (``on_step``, ``on_eval``, ``on_checkpoint``,
-``on_end``) built on every rank. Each rank adds up its own step times
-(:class:`~hpctrain.monitoring.timing.PhaseTotals`); every ``gather_every`` steps one ``Gather``
-of those sums (a fixed-size float64 row) goes to rank 0, and every ``consistency_every`` steps
-one gather of each rank's :func:`~hpctrain.runtime.replicas.parameter_fingerprints`. Nothing is communicated in the other
-steps; every rank must call ``on_step`` at the same steps. ``monitor.root`` is rank 0's
-:class:`~hpctrain.monitoring.runlog.RunLog`, which alone prints and writes files (``None`` on
-the other ranks).
-
-Example (what the trainer does)::
-
-    from hpctrain.monitoring.monitor import build_callbacks
     callbacks = build_callbacks(cfg.monitor, run_dir, comm=world.comm, total_steps=max_steps,
                                 samples_per_step=global_batch)
     for cb in callbacks:
@@ -21,10 +15,9 @@ Example (what the trainer does)::
     for cb in callbacks:
         cb.on_end(state)                                              # every rank
 
-The ``metrics`` keys read by ``on_step``: ``loss`` (float or 0-d tensor, this rank's), ``lr``
-and ``samples`` (global samples in this step; else ``samples_per_step``). Saved checkpoints
-arrive through ``on_checkpoint(state, path, seconds)``.
-"""
+The ``metrics`` keys read by ``on_step``: ``loss`` (float or 0-d tensor, this rank's), ``lr`` and ``samples``
+(global samples in this step; else ``samples_per_step``). Saved checkpoints arrive through
+``on_checkpoint(state, path, seconds)``."""
 import time
 
 import numpy as np

@@ -1,16 +1,11 @@
 """Plots and a short summary of a run, from its ``metrics.jsonl`` (``hpctrain report RUN_DIR``,
-:mod:`hpctrain.commands.report`).
-
-Writes ``loss.png`` (training loss and evaluation metrics over steps), ``throughput.png``
-(samples/s over wall time), ``ranks.png`` (work time per step of every rank in every
-interval: a straggler is a bright row), ``checkpoints.png`` (save time of each checkpoint,
-when there are any) and ``summary.txt``, which is also printed (with the restarts of
-``hpctrain launch``: cause, rank and host, ranks before and after, steps lost). Runs on a login node: only
-matplotlib (Agg, no display) and numpy are needed.
-
-Each ``plot_*`` function returns a matplotlib ``Figure`` (or ``None`` when the run has no
-such data), so the series can be checked before anything is written.
-"""
+:mod:`hpctrain.commands.report`). Writes ``loss.png`` (training loss and evaluation metrics over steps),
+``throughput.png`` (samples/s over wall time), ``ranks.png`` (work time per step of every rank in every
+interval: a straggler is a bright row), ``checkpoints.png`` (save time of each checkpoint, when there are any)
+and ``summary.txt``, which is also printed (with the restarts of ``hpctrain launch``: cause, rank and host,
+ranks before and after, steps lost). Runs on a login node: only matplotlib (Agg, no display) and numpy are
+needed. Each ``plot_*`` function returns a matplotlib ``Figure`` (or ``None`` when the run has no such data),
+so the series can be checked before anything is written."""
 import json
 import math
 from pathlib import Path
@@ -107,8 +102,7 @@ def plot_throughput(records):
 
 
 def rank_matrix(records, field="work"):
-    """``(ranks x intervals)`` array of ``field`` seconds per step, NaN where unknown, and the
-    step of each interval."""
+    """``(ranks x intervals)`` seconds per step of ``field`` (NaN: unknown), and the step of each interval."""
     timed = [r for r in _kind(records, "train") if r.get("ranks")]
     if not timed:
         return np.zeros((0, 0)), []

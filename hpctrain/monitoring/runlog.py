@@ -1,11 +1,7 @@
-"""Rank 0's part of monitoring: the progress display, ``<run_dir>/metrics.jsonl`` (and
-TensorBoard), the statistics of each logging interval, and the slow-rank and diverged-replica
-reports.
-
-Only rank 0 builds a :class:`RunLog`. :class:`~hpctrain.monitoring.monitor.Monitor` holds it as
-``monitor.root`` (``None`` on every other rank) and hands it what its collectives gathered, so
-nothing here communicates.
-"""
+"""Rank 0's part of monitoring: the progress display, ``<run_dir>/metrics.jsonl`` (and TensorBoard), the
+statistics of each logging interval, and the slow-rank and diverged-replica reports. Only rank 0 builds a
+:class:`RunLog`. :class:`~.monitor.Monitor` holds it as ``monitor.root`` (``None`` on every other rank) and
+hands it what its collectives gathered, so nothing here communicates."""
 import json
 import math
 import time
@@ -75,9 +71,9 @@ class MetricsWriter:
 
 
 def timing_fields(table, hosts, gather_seconds):
-    """From one gather of every rank's :class:`~hpctrain.monitoring.timing.PhaseTotals` (a
-    ``(ranks, FIELDS)`` array): the ``phases``, ``ranks`` and ``gather`` fields of the next
-    ``train`` record, and the ``(ranks, phases)`` seconds per step for the slow-rank rule (pure)."""
+    """From one gather of every rank's :class:`~.timing.PhaseTotals` (a ``(ranks, FIELDS)`` array): the
+    ``phases``, ``ranks`` and ``gather`` fields of the next ``train`` record, and the ``(ranks, phases)``
+    seconds per step for the slow-rank rule (pure)."""
     steps = np.maximum(table[:, T.STEPS], 1)
     phase_means = table[:, T.PHASE0:T.OTHER] / steps[:, None]
     step_time = table[:, T.WALL] / steps

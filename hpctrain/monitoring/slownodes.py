@@ -1,19 +1,12 @@
-"""Find the rank that holds the others back, from the timings gathered across ranks.
-
-In synchronous data-parallel training every rank waits for the slowest one in the
-all-reduce, so the wall-clock step time is the same everywhere and says nothing about who
-is slow. What differs is the time a rank spends *working*: its own data loading,
-forward/backward and optimizer step. The all-reduce wait is excluded (the fast ranks are
-the ones that wait), and so is the checkpoint phase (rank 0 or the writers do more there by
-design).
-
-A rank is slow in one gather when its working time per step is more than
-``factor`` times the median of all ranks *and* more than ``min_seconds`` above it (so
-that jitter on microsecond-sized steps is not reported). It is reported once it has been
-slow in ``window`` consecutive gathers, and reminded every ``REMIND_WINDOWS`` windows while
-it stays slow. This module is pure (numpy only), so it is tested without MPI.
-
-Example::
+"""Find the rank that holds the others back, from the timings gathered across ranks. In synchronous
+data-parallel training every rank waits for the slowest one in the all-reduce, so the wall-clock step time is
+the same everywhere and says nothing about who is slow. What differs is the time a rank spends *working*: its
+own data loading, forward/backward and optimizer step. The all-reduce wait is excluded (the fast ranks are the
+ones that wait), and so is the checkpoint phase (rank 0 or the writers do more there by design). A rank is
+slow in one gather when its working time per step is more than ``factor`` times the median of all ranks *and*
+more than ``min_seconds`` above it (so that jitter on microsecond-sized steps is not reported). It is reported
+once it has been slow in ``window`` consecutive gathers, and reminded every ``REMIND_WINDOWS`` windows while
+it stays slow. This module is pure (numpy only), so it is tested without MPI. Example::
 
     detector = SlowRankDetector(factor=1.3, window=3, min_seconds=0.005)
     for finding in detector.update(per_rank_phase_means, hosts):  # after each gather
@@ -73,10 +66,8 @@ def work_seconds(phase_means):
 
 
 def slow_ranks_now(phase_means, factor, min_seconds):
-    """Ranks slow in this one gather, as ``{rank: (phase, work, median, phase_s, phase_median)}``.
-
-    ``phase_means`` is a ``(ranks, PHASES)`` array of seconds per step.
-    """
+    """Ranks slow in this one gather, as ``{rank: (phase, work, median, phase_s, phase_median)}``;
+    ``phase_means`` is a ``(ranks, PHASES)`` array of seconds per step."""
     means = np.asarray(phase_means, dtype=np.float64)
     if means.shape[0] < 2:
         return {}  # nothing to compare with

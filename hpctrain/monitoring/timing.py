@@ -1,11 +1,8 @@
-"""Where each training step's time goes, phase by phase.
-
-Phases: ``data`` (reading and moving the batch), ``forward_backward``, ``allreduce_wait``
-(time blocked on gradient averaging beyond what overlapped with the backward pass),
-``optimizer`` and ``checkpoint``. The trainer hands :meth:`PhaseTimer.times` of every step
-to its callbacks; :class:`PhaseTotals` adds them up on each rank between two gathers of the
-monitor. :data:`PHASES` is the one list of phases: the slow-rank rule, the monitor and its
-records use it as defined here.
+"""Where each training step's time goes, phase by phase. Phases: ``data`` (reading and moving the batch),
+``forward_backward``, ``allreduce_wait`` (time blocked on gradient averaging beyond what overlapped with the
+backward pass), ``optimizer`` and ``checkpoint``. The trainer hands :meth:`PhaseTimer.times` of every step to
+its callbacks (:class:`PhaseTotals` sums them). :data:`PHASES` is the one list of phases: the slow-rank rule,
+the monitor and its records use it as defined here.
 
 >>> timer = PhaseTimer()
 >>> timer.start_step()
@@ -34,11 +31,8 @@ def peak_rss_bytes():
 
 
 class PhaseTimer:
-    """Seconds per phase of the current step; a phase entered twice adds up.
-
-    ``sync`` (e.g. ``torch.cuda.synchronize``) is called at each phase boundary so that
-    asynchronous GPU work is charged to the phase that queued it.
-    """
+    """Seconds per phase of the current step; a phase entered twice adds up. ``sync``, called at each phase
+    boundary (e.g. ``torch.cuda.synchronize``), charges asynchronous GPU work to the phase that queued it."""
 
     def __init__(self, sync=None, clock=time.perf_counter):
         self._sync = sync
@@ -87,8 +81,7 @@ class PhaseTotals:
         known = [float(phase_times.get(p) or 0.0) for p in PHASES]
         # "step" (the timer's own wall time) is a total, not a phase
         other = sum(float(v or 0.0) for k, v in phase_times.items() if k not in PHASES and k != "step")
-        # Between two calls is the whole step as this rank lived it; the first call has
-        # only the phases to go by.
+        # Between two calls lies the whole step as this rank lived it; the first has only the phases.
         wall = now - self.last_end if self.last_end is not None else sum(known) + other
         v = self.values
         v[self.STEPS] += 1

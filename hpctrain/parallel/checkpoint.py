@@ -1,24 +1,17 @@
 """Checkpoints of split models, in the ordinary checkpoint format (docs/checkpoint-format.md).
 
-The file holds *global* tensors under the full model's names and shapes, exactly as if one
-process had saved the whole model: ``/model/3.fc1.weight`` is ``[256, 64]`` whether it was
-trained on one rank, on two pipeline stages, or split over four tensor ranks. So a file
-written in one layout loads in any other (including plain :func:`hpctrain.checkpoint.load_checkpoint`
-into the dense model, and ``hpctrain ckpt export``).
+The file holds *global* tensors under the full model's names and shapes, as if one process had saved the
+whole model: ``/model/3.fc1.weight`` is ``[256, 64]`` whether trained on one rank, two pipeline stages or
+four tensor ranks. So a file written in one layout loads in any other (also plain
+:func:`hpctrain.checkpoint.load_checkpoint` into the dense model, and ``hpctrain ckpt export``).
 
-Saving (collective over ``grid.comm``) goes through the pipeline of data-parallel saves
-(:mod:`hpctrain.checkpoint.commit`): the replicas of each stage are checked for
-consistency, rank 0 names a temp file, every rank writes its pieces with the one writer, the
-file is re-read and verified, then committed. Only the plan differs: every rank describes the
-region of each global tensor it holds, and the ranks holding the same region (the stage's
-replicas, and for unsplit tensors its tensor ranks too) share the writing of it by rows
-(:func:`plan_writes`).
-
-Loading (collective): rank 0 reads the header, every rank checks the tensors it needs
-against the file's names and shapes (the same error on every rank if they do not fit),
-the checksums are verified, then every rank reads its own regions and restores them like a
-data-parallel load does (:func:`hpctrain.checkpoint.snapshot.restore`).
-"""
+Saving runs the data-parallel save pipeline (:mod:`hpctrain.checkpoint.commit`): each stage's replicas are
+checked for consistency, rank 0 names a temp file, every rank writes its pieces with the one writer, the file
+is re-read, verified and committed. Only the plan differs: every rank describes the region of each global
+tensor it holds, and the ranks holding one region (the stage's replicas, and for unsplit tensors its tensor
+ranks too) share its rows (:func:`plan_writes`). Loading: rank 0 reads the header, every rank checks the
+tensors it needs against the file's names and shapes, the checksums are verified, then every rank reads its
+regions and restores them as a data-parallel load does (:func:`hpctrain.checkpoint.snapshot.restore`)."""
 import math
 import os
 
@@ -40,8 +33,7 @@ from .tensor import shard_dims
 # ---------------------------------------------------------------- what this rank holds
 
 class Held:
-    """One local tensor and where it sits in the global one: ``region`` is a
-    ``(start, stop)`` per dimension of ``shape`` (the global shape)."""
+    """A local tensor and its place in the global ``shape``: ``region`` is a ``(start, stop)`` per dim."""
 
     def __init__(self, path, tensor, shape, region, dtype):
         self.path, self.tensor, self.shape, self.region, self.dtype = path, tensor, tuple(shape), tuple(region), dtype
@@ -85,12 +77,10 @@ def held_tensors(module, opt_tensors=()):
 # ---------------------------------------------------------------- who writes what (pure)
 
 def plan_writes(described):
-    """``described``: per rank, a list of ``(path, shape, dtype, region)``.
-
-    Returns ``(order, datasets, plan)``: dataset paths in first-seen order; ``{path: (shape,
-    dtype)}``; ``{path: [(rank, subregion)]}``, where the ranks holding one region share its
-    rows. Raises CheckpointError if the ranks disagree on a tensor or leave part of it uncovered.
-    """
+    """``described``: per rank, a list of ``(path, shape, dtype, region)``. Returns
+    ``(order, datasets, plan)``: dataset paths in first-seen order; ``{path: (shape, dtype)}``;
+    ``{path: [(rank, subregion)]}``, where the ranks holding one region share its rows. Raises CheckpointError
+    if the ranks disagree on a tensor or leave part of it uncovered."""
     order, datasets, holders = [], {}, {}
     problems = []
     for rank, items in enumerate(described):
@@ -202,9 +192,8 @@ def _plan(module, optimizer, grid, progress, info):
 
 def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_config=None, metrics=None,
                              reason="manual", verify=True, consistency="check"):
-    """Collective over ``grid.comm``: write this stage's ``module`` and ``optimizer`` (every
-    rank its part) into the checkpoint file ``path``: temp file, verified, renamed.
-    ``consistency`` (``check``, ``repair``, ``off``): compare the replicas of each stage first.
+    """Collective over ``grid.comm``: save this stage's ``module`` and ``optimizer`` (each rank its part)
+    to ``path``; ``consistency`` (``check``, ``repair``, ``off``): how each stage's replicas are compared.
 
     >>> save_parallel_checkpoint("run/ckpt-00000100.h5", pipe.module, opt, grid, progress)  # doctest: +SKIP
     """
@@ -225,8 +214,7 @@ def _require_parallel_h5py():
 
 class SplitPlanner:
     """Who writes and reads what of a split model's state, for the checkpoint manager
-    (:class:`~hpctrain.checkpoint.manager.CheckpointManager`): each rank the regions of the
-    global tensors it holds, into one file in the ordinary format; a file loads into any layout."""
+    (:class:`~hpctrain.checkpoint.manager.CheckpointManager`): each rank the regions it holds."""
 
     collective_only = True
 
@@ -235,7 +223,6 @@ class SplitPlanner:
         self.grid, self.consistency = grid, consistency
 
     def check_replicas(self, state):
-        # The replicas of a stage (and tensor rank) hold the same tensors: they must agree.
         all_or_none(lambda: check_consistency(state.model, self.grid.dp_comm, self.consistency), self.grid.comm)
 
     def plan(self, state, info, parallel, buffers=None):
@@ -283,10 +270,9 @@ def _check_against(header, held, layout_text, path):
 
 
 def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, restore_rng=True):
-    """Collective over ``grid.comm``: load checkpoint ``path`` (written in any layout, or by
-    the ordinary data-parallel trainer) into this stage's ``module`` and ``optimizer``.
-    Raises the same :class:`CheckpointError` on every rank, before anything changes, when
-    the file does not fit. Returns the file's header.
+    """Collective over ``grid.comm``: load ``path`` (written in any layout, or by the data-parallel trainer)
+    into this stage's ``module`` and ``optimizer``; returns the file's header. If the file does not fit,
+    raises the same :class:`CheckpointError` on every rank, before anything changes.
 
     >>> load_parallel_checkpoint("run/ckpt-00000100.h5", pipe.module, opt, grid, progress)  # doctest: +SKIP
     """

@@ -1,19 +1,9 @@
-"""Hybrid parallelism: pipeline stages x data-parallel replicas (x tensor-parallel ranks
-within a stage). Each replica runs the whole pipeline on its own share of the batch; the
-gradients of a stage are then averaged among that stage's replicas only, over
-``grid.dp_comm``, by the mpi4py backend (:mod:`hpctrain.backends.mpi_backend`) with its
-fused buffers and optional fp16 compression.
-
-``backend="horovod"`` averages over Horovod process sets instead, one per stage and
-tensor rank, registered on every rank (``hpctrain train`` does this by default,
-:mod:`hpctrain.training.split`). Pure data parallelism (one stage, one tensor rank) is
-what :class:`hpctrain.Trainer` does with either backend.
-
-Launch (4 ranks: 2 stages x 2 replicas)::
-
-    mpirun -n 4 python examples/hybrid_mlp.py --stages 2 --compression fp16
-
-In code::
+"""Hybrid parallelism: pipeline stages x data-parallel replicas (x tensor-parallel ranks within a stage). Each
+replica runs the whole pipeline on its share of the batch; a stage's gradients are averaged among its replicas
+only, by :class:`ReplicaBackend` (``hpctrain train`` uses Horovod by default, :mod:`hpctrain.training.split`).
+Pure data parallelism (one stage, one tensor rank) is what :class:`hpctrain.Trainer` does with either backend.
+Launch with ``mpirun -n 4 python examples/hybrid_mlp.py --stages 2 --compression fp16`` (4 ranks: 2 stages x 2
+replicas), or in code::
 
     hp = HybridParallel(layers, Layout(stages=2), loss_fn=nn.MSELoss(),
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
@@ -31,8 +21,7 @@ from .pipeline import Pipeline
 
 
 def sub_world(comm):
-    """A :class:`~hpctrain.runtime.world.World` for a sub-communicator, so that the existing
-    backends can run over it."""
+    """A :class:`~hpctrain.runtime.world.World` for a sub-communicator, for the backends to run over."""
     from ..runtime.world import World, node_name
 
     return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=0, local_size=1,
@@ -40,22 +29,19 @@ def sub_world(comm):
 
 
 def replica_groups(layout):
-    """Every data-parallel group of ``layout`` as lists of ranks: for each stage and tensor
-    rank, the ranks of its replicas (pure; the same on every rank)."""
+    """The data-parallel groups of ``layout``: the ranks of each stage and tensor rank's replicas (pure)."""
     return [[rank_of(r, s, t, layout) for r in range(layout.replicas)]
             for s in range(layout.stages) for t in range(layout.tensor)]
 
 
 class ReplicaBackend(Backend):
-    """The backend of a split model: gradients averaged among the replicas of each stage
-    (and tensor rank), small collectives (``allreduce_mean``, ...) over the whole grid, so a
-    trainer can use it like a data-parallel backend.
-
-    ``name="horovod"``: one Horovod process set per stage and tensor rank
-    (:class:`~hpctrain.backends.horovod_backend.HorovodProcessSetBackend`), the all-reduce
-    overlapping the backward pass; ``"mpi"``: the mpi4py backend over ``grid.dp_comm``. Both
-    take ``compression="fp16"``. Broadcasts go over ``grid.dp_comm`` either way.
-    """
+    """The backend of a split model: gradients averaged among the replicas of each stage (and tensor rank),
+    small collectives (``allreduce_mean``, ...) over the whole grid, so a trainer can use it like a
+    data-parallel backend. ``name="horovod"``: one Horovod process set per stage and tensor rank, registered
+    on every rank (:class:`~hpctrain.backends.horovod_backend.HorovodProcessSetBackend`), the all-reduce
+    overlapping the backward pass; ``"mpi"``: the mpi4py backend (:mod:`hpctrain.backends.mpi_backend`) over
+    ``grid.dp_comm``, with its fused buffers. Both take ``compression="fp16"``. Broadcasts go over
+    ``grid.dp_comm`` either way."""
 
     def __init__(self, grid, name="mpi", compression="none", gradient_predivide_factor=1.0, backward_passes=1):
         from ..backends.mpi_backend import MPIBackend
@@ -122,20 +108,17 @@ class ReplicaBackend(Backend):
 
 
 class HybridParallel:
-    """A model trained as pipeline x data parallel (x tensor parallel): the pieces wired up.
-
-    ``optimizer``: a function of this stage's parameters returning the optimizer (the same
-    hyperparameters on every rank). ``train_step(x, y)`` takes the *global* batch (the same
-    on every rank, or None where it is not read) and gives replica ``r`` rows
-    ``[r*b, (r+1)*b)`` of it; use :meth:`replica_slice` to load only those rows yourself.
-    """
+    """A model trained as pipeline x data parallel (x tensor parallel): the pieces wired up. ``optimizer``: a
+    function of this stage's parameters returning the optimizer (the same hyperparameters on every rank).
+    ``train_step(x, y)`` takes the *global* batch (the same on every rank, or None where it is not read) and
+    gives replica ``r`` rows ``[r*b, (r+1)*b)`` of it; use :meth:`replica_slice` to load only those rows
+    yourself."""
 
     def __init__(self, model, layout, loss_fn, optimizer, micro_batches=1, schedule="1f1b", balance="params",
                  sample=None, compression="none", backend="mpi", comm=None, gradient_predivide_factor=1.0):
         self.grid = ProcessGrid.build(layout if isinstance(layout, Layout) else Layout(**layout), comm)
         self.pipeline = Pipeline(model, self.grid, loss_fn, micro_batches, schedule, balance, sample)
         self.module = self.pipeline.module
-        # The gradients of this stage's parameters are averaged among its replicas.
         self.backend = ReplicaBackend(self.grid, backend, compression, gradient_predivide_factor, micro_batches)
         self.optimizer = self.backend.distributed_optimizer(optimizer(self.module.parameters()), self.module)
         # Replicas start equal even if a rank's generator differed when the model was built.

@@ -1,13 +1,12 @@
 """The process grid: pipeline stages x data-parallel replicas x tensor-parallel ranks.
 
-Rank order puts tensor parallelism innermost (its all-reduces run every layer, so its ranks
-should share a node), then pipeline stages (point-to-point, once per micro-batch), then
-data-parallel replicas (one all-reduce per step)::
+Tensor ranks are innermost (their all-reduces run every layer: they should share a node), then pipeline
+stages (point-to-point, once per micro-batch), then data-parallel replicas (one all-reduce per step)::
 
     rank = (replica * stages + stage) * tensor + tensor_rank
 
-With 4 ranks, 2 stages x 2 replicas: replica 0 is ranks 0 (stage 0) and 1 (stage 1),
-replica 1 is ranks 2 and 3; stage 0's gradients are averaged between ranks 0 and 2.
+With 4 ranks, 2 stages x 2 replicas: replica 0 is ranks 0 (stage 0) and 1 (stage 1), replica 1 is ranks 2
+and 3; stage 0's gradients are averaged between ranks 0 and 2.
 
 >>> grid = ProcessGrid.build(Layout(stages=2), comm)    # replicas = size / (stages * tensor)  # doctest: +SKIP
 >>> grid.stage, grid.replica, grid.pp_comm, grid.dp_comm                                       # doctest: +SKIP
@@ -21,10 +20,8 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class Layout:
-    """How many pipeline stages, data-parallel replicas and tensor-parallel ranks.
-
-    ``replicas=None`` takes whatever the world size leaves: ``size // (stages * tensor)``.
-    """
+    """How many pipeline stages, data-parallel replicas and tensor-parallel ranks; ``replicas=None`` takes
+    whatever the world size leaves: ``size // (stages * tensor)``."""
 
     stages: int = 1
     replicas: Optional[int] = None
@@ -67,13 +64,10 @@ def rank_of(replica, stage, tensor_rank, layout):
 
 @dataclass
 class ProcessGrid:
-    """This rank's place in the grid and the sub-communicators it talks over.
-
-    ``pp_comm``: the ranks of one pipeline (same replica and tensor rank), ranked by stage.
-    ``dp_comm``: the replicas of this stage and tensor rank, ranked by replica.
-    ``tp_comm``: the tensor-parallel ranks of this stage in this replica.
-    ``stage_comm``: every rank that holds a part of this stage (replicas x tensor ranks).
-    """
+    """This rank's place in the grid and the sub-communicators it talks over. ``pp_comm``: the ranks of
+    one pipeline (same replica and tensor rank), ranked by stage. ``dp_comm``: the replicas of this stage
+    and tensor rank, ranked by replica. ``tp_comm``: the tensor-parallel ranks of this stage in this
+    replica. ``stage_comm``: every rank that holds a part of this stage (replicas x tensor ranks)."""
 
     layout: Layout
     comm: Any

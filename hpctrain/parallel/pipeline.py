@@ -1,17 +1,13 @@
-"""Pipeline parallelism: a sequence of layers split into stages on consecutive ranks of
-``grid.pp_comm``; each batch is cut into micro-batches whose activations flow forward and
-whose gradients flow back point-to-point (mpi4py ``Isend``/``Recv`` on contiguous buffers,
-each preceded by a small header with dtype and shape).
+"""Pipeline parallelism: a sequence of layers split into stages on consecutive ranks of ``grid.pp_comm``;
+each batch is cut into micro-batches whose activations flow forward and whose gradients flow back
+point-to-point (:class:`StageLink`), in one of two schedules:
 
-Schedules:
+* ``gpipe``: every stage runs all forward passes, then all backward passes. Simple; each stage keeps the
+  activations of every micro-batch until the end.
+* ``1f1b``: after ``stages - stage - 1`` warm-up forwards, each stage alternates one forward and one
+  backward; stage ``s`` holds at most ``stages - s`` micro-batches' activations.
 
-* ``gpipe``: every stage runs all forward passes, then all backward passes. Simple; each
-  stage keeps the activations of every micro-batch until the end.
-* ``1f1b``: after ``stages - stage - 1`` warm-up forwards, each stage alternates one
-  forward and one backward; stage ``s`` holds at most ``stages - s`` micro-batches' activations.
-
-Both give the same gradients (up to summation order) as one process running the whole
-batch, when the loss is a mean over samples::
+Both give one process's whole-batch gradients (up to summation order) when the loss is a mean over samples::
 
     pipe = Pipeline(model_layers, grid, loss_fn=nn.MSELoss(), micro_batches=4, schedule="1f1b")
     opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1)   # this stage's parameters only
@@ -109,9 +105,8 @@ def layer_list(model):
 
 
 def measure_times(layers, sample, repeats=3):
-    """Forward + backward seconds of each layer on ``sample`` (best of ``repeats``).
-    ``layers`` may be a generator (:meth:`LayerStack.layers`): each layer is timed, then
-    dropped, so only one is alive at a time."""
+    """Forward + backward seconds of each layer on ``sample`` (best of ``repeats``). ``layers`` may be a
+    generator (:meth:`LayerStack.layers`): each layer is timed, then dropped, so only one is alive at once."""
     times = []
     x = sample
     for layer in layers:
@@ -160,9 +155,9 @@ def stage_bounds(named, stack, stages, micro_batches, schedule, balance, sample)
 # ---------------------------------------------------------------- point-to-point
 
 class StageLink:
-    """Activations and gradients between the stages of one pipeline (``comm``: ``grid.pp_comm``):
-    each message a small header (dtype code, ndim, sizes) then the bytes, through host memory
-    (no CUDA-aware MPI is assumed). Sends are non-blocking until :meth:`wait_sends`."""
+    """Activations and gradients between the stages of one pipeline (``comm``: ``grid.pp_comm``), by mpi4py
+    ``Isend``/``Recv`` of contiguous host buffers (no CUDA-aware MPI is assumed), each after a small header
+    (dtype code, ndim, sizes). Sends are non-blocking until :meth:`wait_sends`."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -203,18 +198,14 @@ class StageLink:
 # ---------------------------------------------------------------- the pipeline
 
 class Pipeline:
-    """This rank's stage of a pipeline over ``grid.pp_comm``.
-
-    ``model``: ``nn.Sequential`` or list of layers, the same on every rank (build it with
-    one seed everywhere; only this stage's layers are kept), or a
+    """This rank's stage of a pipeline over ``grid.pp_comm``. ``model``: ``nn.Sequential`` or list of layers,
+    the same on every rank (build it with one seed everywhere; only this stage's layers are kept), or a
     :class:`~hpctrain.models.stack.LayerStack`, of which every rank builds only its stage's layers.
-    ``loss_fn(output, target)`` runs on the last stage and should average over samples.
-    ``balance``: ``"params"`` (parameter count), ``"time"`` (measured on ``sample``, a micro-batch
-    of inputs) or a list of layers per stage. With ``grid.layout.tensor > 1`` the stage's MLP and
-    attention blocks are split over ``grid.tp_comm`` (:func:`~.tensor.tensor_parallelize`).
-
-    ``module`` is this stage's ``nn.Sequential``; its parameter names are the full model's.
-    """
+    ``loss_fn(output, target)`` runs on the last stage and should average over samples. ``balance``:
+    ``"params"`` (parameter count), ``"time"`` (measured on ``sample``, a micro-batch of inputs) or a list of
+    layers per stage. With ``grid.layout.tensor > 1`` the stage's MLP and attention blocks are split over
+    ``grid.tp_comm`` (:func:`~.tensor.tensor_parallelize`). ``module`` is this stage's ``nn.Sequential``; its
+    parameter names are the full model's."""
 
     def __init__(self, model, grid, loss_fn=None, micro_batches=1, schedule="1f1b", balance="params",
                  sample=None):
@@ -227,10 +218,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.schedule = schedule
-        # A LayerStack is built lazily: only this stage's layers ever exist on this rank.
         stack = model if isinstance(model, LayerStack) else None
         named = [(name, None) for name in stack.names] if stack is not None else layer_list(model)
-        # The same checks on every rank: a bad configuration fails everywhere alike.
         self.bounds = all_or_none(
             lambda: stage_bounds(named, stack, self.stages, micro_batches, schedule, balance, sample), grid.comm)
         if self.bounds is None:
@@ -312,8 +301,7 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, inputs=None):
-        """Forward pass only (evaluation), in micro-batches. Returns the model's output on
-        the last stage and None elsewhere."""
+        """Evaluation forward pass in micro-batches: the model's output on the last stage, None elsewhere."""
         first, last = self.grid.is_first_stage, self.grid.is_last_stage
         xs = self._chunks(inputs, "inputs") if first else None
         outs, device = [], self._device()

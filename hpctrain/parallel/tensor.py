@@ -1,17 +1,15 @@
-"""Tensor parallelism: linear layers whose weights are split across the ranks of a
-sub-communicator (``grid.tp_comm``), and the MLP and self-attention blocks built from them.
+"""Tensor parallelism: linear layers whose weights are split across the ranks of a sub-communicator
+(``grid.tp_comm``), and the MLP and self-attention blocks built from them.
 
-* :class:`ColumnParallelLinear` keeps rows ``[r*k, (r+1)*k)`` of the weight (output
-  features): the input is the same on every rank, the output is this rank's slice.
-* :class:`RowParallelLinear` keeps columns of the weight (input features): it takes a
-  sliced input and all-reduces the partial products into the full output.
+* :class:`ColumnParallelLinear` keeps rows ``[r*k, (r+1)*k)`` of the weight (output features): the input
+  is the same on every rank, the output is this rank's slice.
+* :class:`RowParallelLinear` keeps columns of the weight (input features): it takes a sliced input and
+  all-reduces the partial products into the full output.
 
-Column then row needs one all-reduce in the forward pass and one in the backward pass per
-block. The collectives are autograd Functions, so ``loss.backward()`` does the right thing.
-
-The dense blocks (:mod:`hpctrain.models.blocks`) have the same parameter
-names and shapes as their parallel versions, so a model written with them can be trained
-in one process, split with :func:`tensor_parallelize`, and checkpointed either way::
+Column then row needs one all-reduce forward and one backward per block; the collectives are autograd
+Functions, so ``loss.backward()`` does the right thing. The dense blocks (:mod:`hpctrain.models.blocks`)
+have the same parameter names and shapes as their split versions, so a model written with them can be
+trained in one process, split with :func:`tensor_parallelize`, and checkpointed either way::
 
     block = MLPBlock(64, 256)                           # dense, e.g. built on every rank with one seed
     par = ParallelMLP.from_dense(block, grid.tp_comm)   # this rank's quarter of fc1 and fc2
@@ -160,11 +158,8 @@ class _TensorParallel(nn.Module):
 
 
 class ColumnParallelLinear(_TensorParallel):
-    """``y = x W^T + b`` with the rows of ``W`` (and ``b``) split across ``comm``.
-
-    ``gather_output=False`` (the usual case, followed by a :class:`RowParallelLinear`) leaves
-    each rank with its slice of ``y``'s last dimension.
-    """
+    """``y = x W^T + b`` with the rows of ``W`` (and ``b``) split across ``comm``. ``gather_output=False``
+    (usual, before a :class:`RowParallelLinear`) leaves each rank its slice of ``y``'s last dimension."""
 
     tp_shards = {"weight": 0, "bias": 0}
 
@@ -173,8 +168,7 @@ class ColumnParallelLinear(_TensorParallel):
         self._init_comm(comm)
         local = _split(out_features, comm, "the output width of a column-parallel linear layer")
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
-        # Slice a dense layer initialised the same way on every rank, so that the split model
-        # equals the dense one built from the same seed.
+        # Slice a dense layer seeded alike on every rank: the split model equals the dense one from that seed.
         dense = nn.Linear(in_features, out_features, bias=bias) if dense is None else dense
         rows = slice(self.tp_rank * local, (self.tp_rank + 1) * local)
         self.weight = nn.Parameter(dense.weight.detach()[rows].clone())
@@ -219,8 +213,7 @@ class RowParallelLinear(_TensorParallel):
 # ---------------------------------------------------------------- blocks
 
 class ParallelMLP(nn.Module):
-    """:class:`MLPBlock` with ``fc1`` column-parallel and ``fc2`` row-parallel: one
-    all-reduce forward, one backward."""
+    """:class:`MLPBlock` with ``fc1`` column-parallel and ``fc2`` row-parallel."""
 
     def __init__(self, width, hidden, comm, dense=None):
         super().__init__()
@@ -270,9 +263,8 @@ _PARALLEL_OF = {MLPBlock: ParallelMLP, SelfAttention: ParallelSelfAttention}
 
 
 def tensor_parallelize(module, comm):
-    """Replace every :class:`MLPBlock` and :class:`SelfAttention` inside ``module`` (or
-    ``module`` itself) by its split version over ``comm``; returns the module to use.
-    Parameter names do not change. With one tensor rank the module is returned as is."""
+    """Split each :class:`MLPBlock` and :class:`SelfAttention` in ``module`` (or ``module`` itself) over
+    ``comm``, keeping parameter names; returns the module to use (as is with one tensor rank)."""
     if comm.Get_size() == 1:
         return module
     kind = _PARALLEL_OF.get(type(module))

@@ -1,5 +1,3 @@
-"""What a process of the job stands on: who it is in the MPI world (:mod:`.world`), what it may
-use of its node (:mod:`.system`, :mod:`.allocator`), Slurm (:mod:`.slurm`), durable files
-(:mod:`.fsutil`), flat buffers (:mod:`.flat`), rank-0 decisions and failures
-(:mod:`.coordination`), and whether the replicas are one model
-(:mod:`.replicas`)."""
+"""What a rank stands on: who it is in the MPI world (:mod:`.world`), its share of the node (:mod:`.system`,
+:mod:`.allocator`), Slurm (:mod:`.slurm`), durable files (:mod:`.fsutil`), flat buffers (:mod:`.flat`), rank-0
+decisions and failures (:mod:`.coordination`), and whether the replicas are one model (:mod:`.replicas`)."""

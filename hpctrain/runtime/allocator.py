@@ -1,22 +1,17 @@
-"""The C library's allocator, tuned for training when asked for, and during a checkpoint load.
+"""The C library's allocator, tuned for training when asked for, and during a checkpoint load. glibc's
+``malloc`` serves a block larger than its mmap threshold (128 KiB, rising to at most 32 MiB as blocks are
+freed) with a fresh ``mmap`` and unmaps it when freed, and it returns the top of its heap to the system beyond
+the trim threshold. A training step allocates and frees the same large temporaries every step (gradients, an
+optimizer's intermediate tensors), so each step faults those pages in again and zeroes them. Measured on a
+25M-parameter MLP, 2 ranks, one thread each: AdamW over one 12.7M-element slice took 89-95 ms a step with
+glibc's defaults and 35 ms with the thresholds below (replicated: 68-78 ms against 60 ms), the whole step
+296-301 against 272 ms replicated.
 
-glibc's ``malloc`` serves a block larger than its mmap threshold (128 KiB, rising to at most
-32 MiB as blocks are freed) with a fresh ``mmap`` and unmaps it when freed, and it returns
-the top of its heap to the system beyond the trim threshold. A training step allocates and
-frees the same large temporaries every step (gradients, an optimizer's intermediate
-tensors), so each step faults those pages in again and zeroes them. Measured on a 25M-
-parameter MLP, 2 ranks, one thread each: AdamW over one 12.7M-element slice took 89-95 ms a
-step with glibc's defaults and 35 ms with the thresholds below (replicated: 68-78 ms against
-60 ms), the whole step 296-301 against 272 ms replicated.
-
-Freed memory then stays with the process for reuse instead of going back to the system, and
-blocks of many sizes can fragment the kept heap; at one model size the peaks measured within
-about 40 MiB of glibc's defaults, but long runs have not been measured (docs/performance.md).
-So this is asked for, not the default:
-``HPCTRAIN_MALLOC=reuse`` sets the thresholds, unless the user set glibc's own
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``) or preloads
-jemalloc/tcmalloc/mimalloc (``LD_PRELOAD``).
-"""
+Freed memory then stays with the process for reuse instead of going back to the system, and blocks of many
+sizes can fragment the kept heap; at one model size the peaks measured within about 40 MiB of glibc's
+defaults, but long runs have not been measured (docs/performance.md). So this is asked for, not the default:
+``HPCTRAIN_MALLOC=reuse`` sets the thresholds, unless the user set glibc's own (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``) or preloads jemalloc/tcmalloc/mimalloc (``LD_PRELOAD``)."""
 import contextlib
 import os
 import platform
@@ -72,12 +67,11 @@ def tune(environ=None):
 
 @contextlib.contextmanager
 def reusing_large_blocks(environ=None):
-    """Within: large blocks freed are kept for reuse (as with ``HPCTRAIN_MALLOC=reuse``); after:
-    glibc's steady-state thresholds again (a 32 MiB mmap threshold, the most its own dynamic
-    rule reaches, and twice that for trimming) and the free pages go back to the system. For a
-    phase that allocates and frees many large buffers once, such as loading a checkpoint
-    (measured: 1.78-2.41 s cold and 1.97-2.03 s warm for 1.07 GiB on 2 ranks without it,
-    0.50-0.51 s and 0.27-0.31 s with it), without keeping the memory afterwards."""
+    """Within: large blocks freed are kept for reuse (as with ``HPCTRAIN_MALLOC=reuse``); after: glibc's
+    steady-state thresholds again (a 32 MiB mmap threshold, the most its own dynamic rule reaches, and twice
+    that for trimming) and the free pages go back to the system. For a phase that allocates and frees many
+    large buffers once, such as loading a checkpoint (measured: 1.78-2.41 s cold and 1.97-2.03 s warm for
+    1.07 GiB on 2 ranks without it, 0.50-0.51 s and 0.27-0.31 s with it)."""
     env = os.environ if environ is None else environ
     own = _done is not None and _done.startswith("malloc keeps")  # already reusing: nothing to undo
     reason = why_not(env, malloc="reuse")

@@ -1,27 +1,16 @@
-"""Rank-0 coordination and failure handling, expressed once.
-
-* :func:`on_root` runs a step on rank 0 and hands every rank the same result, or the same
-  exception, so no rank is ever left waiting in a collective that another skipped.
-* :func:`all_or_none` lets every rank run a step and raises on all of them if any failed.
-* :func:`raise_if_any` is the same for steps that keep going after a failure (collective
-  I/O must): every rank hands in what failed on it, and all raise one error naming it all.
-* :func:`any_rank` is true on every rank when a flag is true on one.
-* :func:`everywhere` marks an exception that every rank raises alike.
-* :func:`abort_on_exception` turns an unhandled exception on one rank into an abort of the
-  whole job, with the rank and host named, instead of a hang.
-
-Failure records (:func:`record`): what a failing rank appends, machine-readably, to the file
-``HPCTRAIN_FAILURE_FILE`` names, before the job ends (nothing when it is unset)::
+"""Rank-0 coordination and failure handling, expressed once. A step that fails on one rank fails on every rank
+(:func:`on_root`, :func:`all_or_none`, :func:`raise_if_any`) or aborts the whole job, rank and host named
+(:func:`abort_on_exception`), so no rank is ever left waiting in a collective that another skipped. Failure
+records (:func:`record`): what a failing rank appends, machine-readably, to the file ``HPCTRAIN_FAILURE_FILE``
+names, before the job ends (nothing when it is unset)::
 
     {"kind": "exception", "rank": 1, "host": "node07", "status": 1, "error": "RuntimeError",
      "message": "...", "collective": false, "pid": 4242, "timestamp": 1767139200.0}
 
-``kind``: ``exception`` (one rank alone, the job is aborted), ``error`` (every rank raised the
-same error; written by rank 0 only), ``hang`` (the watchdog; with ``phase`` and ``step`` when
-the phase is a step), ``exit`` (``sys.exit`` on one rank alone). ``status``: the exit status
-the failure ends the job with (:mod:`hpctrain.errors`). ``hpctrain launch`` reads them
-(:mod:`hpctrain.job.diagnosis`).
-"""
+``kind``: ``exception`` (one rank alone, the job is aborted), ``error`` (every rank raised the same error;
+written by rank 0 only), ``hang`` (the watchdog; with ``phase`` and ``step`` when the phase is a step),
+``exit`` (``sys.exit`` on one rank alone). ``status``: the exit status the failure ends the job with
+(:mod:`hpctrain.errors`). ``hpctrain launch`` reads them (:mod:`hpctrain.job.diagnosis`)."""
 import contextlib
 import json
 import logging
@@ -49,9 +38,8 @@ def _describe(rank, exc):
 
 
 def everywhere(exc):
-    """Mark an exception as raised on every rank alike (after a collective that told every
-    rank the same), so that :func:`abort_on_exception` ends the ranks normally instead of
-    aborting the job.
+    """Mark an exception as raised on every rank alike (after a collective that told every rank the
+    same), so :func:`abort_on_exception` ends the ranks normally instead of aborting the job.
 
     >>> raise everywhere(CheckpointError("no valid checkpoint"))   # doctest: +SKIP
     """
@@ -99,11 +87,8 @@ def on_root(step, comm, root=0):
 
 
 def all_or_none(step, comm):
-    """Run ``step()`` on every rank; if it fails anywhere, raise on every rank.
-
-    Returns this rank's result. Used for validation before any collective, so that
-    bad input fails the same way everywhere.
-    """
+    """Run ``step()`` on every rank and return this rank's result; if it fails anywhere, raise on every
+    rank. Used for validation before any collective, so bad input fails the same way everywhere."""
     try:
         result, mine = step(), None
     except Exception as exc:
@@ -118,9 +103,9 @@ def all_or_none(step, comm):
 
 
 def raise_if_any(errors, comm, make_error):
-    """Collective: every rank passes the messages of what failed on it (often none). If any
-    rank passed one, every rank raises ``make_error(problems)``, marked :func:`everywhere`;
-    ``problems`` is every rank's messages, in rank order, each prefixed with rank and host.
+    """Collective, for steps that keep going after a failure (collective I/O must): every rank passes the
+    messages of what failed on it (often none); if any did, every rank raises ``make_error(problems)``, marked
+    :func:`everywhere`: ``problems`` holds every rank's messages in rank order, prefixed with rank and host.
 
     >>> raise_if_any(errors, comm, lambda problems: CheckpointError("\\n".join(problems)))  # doctest: +SKIP
     """
@@ -147,15 +132,13 @@ def abort_job(comm, code=1):
 
 
 def _exit_status(exc):
-    """The non-zero status to abort with for ``SystemExit(code)`` (``sys.exit(0)`` included:
-    the other ranks were not done)."""
+    """Non-zero status to abort on ``SystemExit(code)``, ``sys.exit(0)`` too: the others were not done."""
     return exc.code if isinstance(exc.code, int) and not isinstance(exc.code, bool) and exc.code > 0 else 1
 
 
 def _record_failure(exc, rank, host, collective):
-    """The failure, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``): by the rank
-    that failed, once (rank 0) for a user error every rank raised alike; not the ranks that
-    only learnt of another's failure (``RemoteError``)."""
+    """The failure, for a supervisor (``HPCTRAIN_FAILURE_FILE``): by the rank that failed, once (rank 0)
+    for a user error every rank raised alike; not by ranks that only learnt of another's (``RemoteError``)."""
     if isinstance(exc, RemoteError) or (isinstance(exc, SystemExit) and collective):
         return  # an error already recorded further in, or a normal exit status
     if collective and rank != 0 and isinstance(exc, HpctrainError):
@@ -171,17 +154,13 @@ def _record_failure(exc, rank, host, collective):
 
 @contextlib.contextmanager
 def abort_on_exception(comm, where=None):
-    """Log an exception with rank and host, then abort the whole job (if it has >1 rank).
-
-    Anything that leaves the block on one rank alone ends every rank, since the others may
-    be waiting for it in a collective: any exception, and any ``BaseException`` too:
-    ``KeyboardInterrupt``, and ``sys.exit(code)`` on one rank, ``sys.exit(0)`` included (leave
-    the block normally instead). The job is aborted with a non-zero status, rank and host named.
-
-    Known user errors (:class:`HpctrainError`) are printed without a traceback. When the
-    error is raised on every rank alike (as :func:`on_root`/:func:`all_or_none` arrange, or
-    ``raise everywhere(SystemExit(code))``), the ranks exit normally with the error's code
-    instead of aborting.
+    """Log an exception with rank and host, then abort the whole job (if it has >1 rank) with a non-zero
+    status. Anything that leaves the block on one rank alone ends every rank, since the others may be waiting
+    for it in a collective: any exception or ``BaseException`` (``KeyboardInterrupt``, ``sys.exit(code)``,
+    ``sys.exit(0)`` included: leave the block normally instead). Known user errors (:class:`HpctrainError`)
+    are printed without a traceback. When the error is raised on every rank alike (as
+    :func:`on_root`/:func:`all_or_none` arrange, or ``raise everywhere(SystemExit(code))``), the ranks exit
+    normally with its code instead.
 
     >>> with abort_on_exception(comm, where=world.node):    # doctest: +SKIP
     ...     train()

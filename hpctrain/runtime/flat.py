@@ -1,6 +1,5 @@
-"""Flat buffers: many tensors as consecutive pieces of one 1-D tensor, so that one
-collective (or one copy) moves them all; and the bytes of one buffer broadcast in pieces that
-MPI's int counts can hold.
+"""Flat buffers: many tensors as consecutive pieces of one 1-D tensor, so that one collective (or one copy)
+moves them all; and the bytes of one buffer broadcast in pieces that MPI's int counts can hold.
 
 >>> import torch
 >>> flat = torch.arange(5.)

@@ -1,9 +1,6 @@
-"""Durable file updates, written once for every file hpctrain replaces in place
-(checkpoints, ``latest``, the run lock, generated data sets).
-
-The order is what makes a file survive a crash: write a temp file, fsync it, rename it over
-the old name (atomic on POSIX), fsync the directory so that the rename itself is on disk.
-"""
+"""Durable file updates, written once for every file hpctrain replaces in place (checkpoints, ``latest``, the
+run lock, generated data sets). The order is what makes a file survive a crash: write a temp file, fsync it,
+rename it over the old name (atomic on POSIX), fsync the directory so that the rename itself is on disk."""
 import contextlib
 import functools
 import logging
@@ -48,11 +45,10 @@ def _sync_file_range():
 
 
 def early_writeback(path, interval=0.02):
-    """Start writing ``path``'s dirty pages to the disk while the file is still being written:
-    a thread asks the kernel (``sync_file_range``) every ``interval`` seconds, from the moment
-    the file exists. The fsync that follows then waits for the tail, not the whole file.
-    Returns ``stop()``. Does nothing where the call is missing (not Linux); its errors are
-    ignored: the fsync that follows reports any that matter."""
+    """Start writing ``path``'s dirty pages to the disk while the file is still being written: a thread asks
+    the kernel (``sync_file_range``) every ``interval`` seconds, from the moment the file exists, so the fsync
+    that follows waits for the tail, not the whole file. Returns ``stop()``. Does nothing where the call is
+    missing (not Linux); its errors are ignored: the fsync reports any that matter."""
     call = _sync_file_range()
     if call is None:
         return lambda: None
@@ -103,9 +99,8 @@ def remove_quietly(path):
 
 @contextlib.contextmanager
 def replaced(path):
-    """Write ``path`` all or nothing, by name: yields the temp path to create; on success it
-    is fsynced and renamed over ``path``, on an exception it is removed and ``path`` is
-    untouched.
+    """Write ``path`` all or nothing, by name: yields the temp path to create; on success it is fsynced and
+    renamed over ``path``, on an exception it is removed and ``path`` is untouched.
 
     >>> with replaced("data/digits.h5") as tmp:    # doctest: +SKIP
     ...     h5py.File(tmp, "w").close()

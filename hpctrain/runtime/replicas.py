@@ -1,8 +1,7 @@
-"""Are the data-parallel replicas still one model? A cheap, exact fingerprint per tensor, the
-rule that names the ranks that differ, and the one collective check built on them: before
-every checkpoint save (``checkpoint.consistency``), after every ``local_sgd`` average, and
-(gathered to rank 0 only) in the monitor's periodic check.
-"""
+"""Are the data-parallel replicas still one model? A cheap, exact fingerprint per tensor, the rule that names
+the ranks that differ, and the one collective check built on them: before every checkpoint save
+(``checkpoint.consistency``), after every ``local_sgd`` average, and (gathered to rank 0 only) in the
+monitor's periodic check."""
 import numpy as np
 
 from ..errors import HpctrainError
@@ -11,11 +10,10 @@ SAMPLE = 4096  # elements per tensor that enter the fingerprint's CRC
 
 
 def tensor_fingerprint(tensor):
-    """``(sum, crc)`` of one tensor, cheap and exact: the sum of its raw bytes read as
-    int32 words with wrapping addition (so it depends neither on summation order nor on
-    the thread count, and NaNs compare equal) sees every element; the CRC of a strided
-    sample catches changes that keep the sum. One vectorised pass, no copy, and on a GPU
-    only the sample leaves the device."""
+    """``(sum, crc)`` of one tensor, cheap and exact: the sum of its raw bytes read as int32 words with
+    wrapping addition (so it depends neither on summation order nor on the thread count, and NaNs compare
+    equal) sees every element; the CRC of a strided sample catches changes that keep the sum. One vectorised
+    pass, no copy, and on a GPU only the sample leaves the device."""
     import zlib
 
     import torch
@@ -46,9 +44,8 @@ def parameter_fingerprints(model):
 
 
 def divergent_ranks(fingerprints):
-    """``(reference_ranks, divergent_ranks)`` from one fingerprint (any comparable value)
-    per rank: the largest group of equal values is the reference (ties: the group of rank
-    0); every other rank diverged."""
+    """``(reference_ranks, divergent_ranks)`` from one fingerprint (any comparable value) per rank: the
+    largest group of equal values is the reference (ties: the group of rank 0); every other rank diverged."""
     groups = {}
     for rank, value in enumerate(fingerprints):
         key = tuple(map(tuple, value)) if isinstance(value, (list, np.ndarray)) else value
@@ -67,11 +64,10 @@ class ReplicasDiverged(HpctrainError):
 
 
 def compare_replicas(model, comm):
-    """Collective over ``comm``, whose ranks hold replicas of one model (or of one part of it):
-    None when every rank's ``state_dict()`` tensors are bitwise equal, else ``(reference,
-    diverged, first)``: the index in ``comm`` of a rank of the largest group of equal ranks, the
-    job ranks (``MPI.COMM_WORLD``) that differ from it and its own job rank, and the name of the
-    first tensor that differs."""
+    """Collective over ``comm``, whose ranks hold replicas of one model (or of one part of it): None when
+    every rank's ``state_dict()`` tensors are bitwise equal, else ``(reference, diverged, first)``: the index
+    in ``comm`` of a rank of the largest group of equal ranks, the job ranks (``MPI.COMM_WORLD``) that differ
+    from it and its own job rank, and the name of the first tensor that differs."""
     if comm.Get_size() == 1:
         return None
     from mpi4py import MPI

@@ -1,11 +1,9 @@
-"""Slurm, known in one place: what the environment of a Slurm job, step or task says, and the
-Slurm commands hpctrain asks (``squeue``, ``sinfo``, ``scontrol``), each with a timeout. A
-command that is missing, fails or hangs answers "unsure" (``None``), never a guess.
-
-Who asks: :mod:`.world` (is this task a rank of an ``srun`` step), :mod:`hpctrain.job.runlock`
-(is the job or step that holds a lock still running), :mod:`hpctrain.job.preemption` (requeue
-this job), :mod:`hpctrain.job.relaunch` (the allocation's nodes, and which stopped answering).
-"""
+"""Slurm, known in one place: what the environment of a Slurm job, step or task says, and the Slurm commands
+hpctrain asks (``squeue``, ``sinfo``, ``scontrol``), each with a timeout. A command that is missing, fails or
+hangs answers "unsure" (``None``), never a guess. Who asks: :mod:`.world` (is this task a rank of an ``srun``
+step), :mod:`hpctrain.job.runlock` (is the job or step that holds a lock still running),
+:mod:`hpctrain.job.preemption` (requeue this job), :mod:`hpctrain.job.relaunch` (the allocation's nodes, and
+which stopped answering)."""
 import os
 import shutil
 import subprocess
@@ -53,9 +51,8 @@ def slurmd_node(environ=None):
 
 
 def job_id(environ=None):
-    """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside
-    a job array (requeueing the bare job id would requeue the whole array), else the job id,
-    or ``None`` outside Slurm."""
+    """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside a job array
+    (requeueing the bare job id would requeue the whole array), else the job id, or ``None`` outside Slurm."""
     env = os.environ if environ is None else environ
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     if array_job and array_task:
@@ -64,8 +61,7 @@ def job_id(environ=None):
 
 
 def step_of(environ=None):
-    """``(<job>.<step>, restart count)`` of this process (the step ``batch`` in a job script),
-    or ``(None, 0)`` outside Slurm."""
+    """``(<job>.<step>, restart count)`` (step ``batch`` in a job script), or ``(None, 0)`` outside Slurm."""
     env = os.environ if environ is None else environ
     number = env.get("SLURM_JOB_ID") or None
     step = f"{number}.{env.get('SLURM_STEP_ID') or 'batch'}" if number else None
@@ -107,8 +103,7 @@ def job_hosts(environ=None):
 
 
 def squeue(args):
-    """stdout of ``squeue -h ARGS``; ``None`` when unsure (no squeue, it failed or hung);
-    ``""`` when squeue says the job is unknown."""
+    """stdout of ``squeue -h ARGS``; ``None`` if unsure (no squeue, failed, hung); ``""``: unknown job."""
     found = shutil.which("squeue")
     proc = _run([found, "-h", *args]) if found else None
     if proc is None:
@@ -135,8 +130,7 @@ def step_active(step):
 
 
 def node_states(sinfo_text):
-    """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); a ``*`` after the state: the
-    node does not answer Slurm."""
+    """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); ``*`` after a state: not answering Slurm."""
     states = {}
     for line in sinfo_text.splitlines():
         name, _, state = line.strip().partition(" ")

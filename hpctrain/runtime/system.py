@@ -1,8 +1,6 @@
-"""What this process may use of its node: the CPUs it is bound to, the C library.
-
-Looked up in one place, once, for the modules that tune around them (torch's threads, the
-checkpoint writer's core, glibc's allocator, early write-back of checkpoint files).
-"""
+"""What this process may use of its node: the CPUs it is bound to, the C library. Looked up in one place,
+once, for the modules that tune around them (torch's threads, the checkpoint writer's core, glibc's allocator,
+early write-back of checkpoint files)."""
 import ctypes
 import ctypes.util
 import functools
@@ -20,6 +18,5 @@ def usable_cpus():
 
 @functools.lru_cache(maxsize=None)
 def libc():
-    """The C library, loaded once (``errno`` kept for calls that set it); raises ``OSError``
-    where it cannot be loaded."""
+    """The C library, loaded once (``errno`` kept for calls that set it); ``OSError`` where it cannot be."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -1,12 +1,8 @@
-"""Who am I in the job: rank, size, local rank, node, launcher. Detected in one place.
+"""Who am I in the job: rank, size, local rank, node, launcher, detected in one place. The launcher's
+environment (``mpirun``/``srun``) says what the job *should* be; MPI says what it *is*. :func:`init_world`
+compares both and stops with a fix when they disagree, for example ``srun`` without ``--mpi=pmix``, where
+every task believes it is rank 0 of 1. Example::
 
-The launcher's environment (``mpirun``/``srun``) says what the job *should* be; MPI says
-what it *is*. :func:`init_world` compares both and stops with a fix when they disagree,
-for example ``srun`` without ``--mpi=pmix``, where every task believes it is rank 0 of 1.
-
-Example::
-
-    from hpctrain.runtime.world import init_world
     world = init_world()          # MPI_COMM_WORLD by default
     print(world.rank, world.size, world.node, world.device)
 """
@@ -82,12 +78,10 @@ PMI_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD")
 
 
 def problems_before_mpi(info, environ=None):
-    """Launch mistakes that make MPI_Init itself fail, so they must be caught before it (pure).
-
-    Verified with Open MPI 4.1 under Slurm 22.05: a task of a plain `srun` step (no PMI
-    plug-in) dies inside MPI_Init ("direct launched using srun, but OMPI was not built with
-    SLURM's PMI support"), whatever the task count; the size check below never runs.
-    """
+    """Launch mistakes that make MPI_Init itself fail, so they must be caught before it (pure). Verified with
+    Open MPI 4.1 under Slurm 22.05: a task of a plain `srun` step (no PMI plug-in) dies inside MPI_Init
+    ("direct launched using srun, but OMPI was not built with SLURM's PMI support"), whatever the task count;
+    the size check below never runs."""
     env = os.environ if environ is None else environ
     if info.launcher == "srun" and not any(name in env for name in PMI_VARIABLES):
         return [
@@ -135,12 +129,11 @@ def cpu_threads_per_rank(local_size, environ=None):
     return max(1, cores // max(1, local_size))
 
 
-# Open MPI's ranks spin on their core while they wait in MPI. Horovod's background thread
-# waits that way in every cycle, on the core that the training thread needs when a rank has
-# one. Measured here (2 ranks, one core each): an idle Horovod made a matrix-multiply loop
-# 1.3-1.9x slower, and the 25M-parameter training step took 312-334 ms against 215-216 ms;
-# with the waits yielding the core, the loop did not slow, and MPI's own latencies (8 B -
-# 64 MiB) did not change (docs/performance.md). Open MPI reads this when MPI starts.
+# Open MPI's ranks spin on their core while they wait in MPI. Horovod's background thread waits that way in
+# every cycle, on the core the training thread needs when a rank has one. Measured here (2 ranks, one core
+# each): an idle Horovod made a matrix-multiply loop 1.3-1.9x slower, and the 25M-parameter training step took
+# 312-334 ms against 215-216 ms; with the waits yielding the core, the loop did not slow, and MPI's own
+# latencies (8 B - 64 MiB) did not change (docs/performance.md). Open MPI reads this when MPI starts.
 YIELD_VARIABLE = "OMPI_MCA_mpi_yield_when_idle"
 _mpi_note = None  # what mpi_defaults() did, for the run's first lines
 
@@ -162,16 +155,13 @@ def mpi_defaults(environ=None, mpi_started=None):
 
 
 def mpi_settings():
-    """What :func:`init_world` did with MPI's settings, as a phrase for the run's first lines
-    (the trainer logs it), or None before it ran."""
+    """What :func:`init_world` did with MPI's settings, a phrase the trainer logs; None before it ran."""
     return _mpi_note
 
 
 def init_world(comm=None, pin=True, check=True):
-    """Initialise MPI (through mpi4py), check the launch, pin this rank to its device.
-
-    Raises :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree.
-    """
+    """Initialise MPI (through mpi4py), check the launch, pin this rank to its device; raises
+    :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree."""
     global _mpi_note
     from . import allocator
 

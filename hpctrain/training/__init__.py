@@ -1,1 +1,1 @@
-"""The training loop (``trainer``) and the ``hpctrain train`` command (``command``)."""
+"""The training loop (:mod:`.trainer`) and its parts; ``hpctrain train`` is :mod:`hpctrain.commands.train`."""

@@ -1,24 +1,18 @@
 """When ranks exchange what (``comm.mode``): every step, every few steps, or one step late.
 
-``sync`` (default): every step waits for the average of its gradients (the backend's
-distributed optimizer), so every rank applies the same update.
+``sync`` (default): every step applies the average of its gradients (the backend's distributed optimizer).
 
-``local_sgd``: every rank applies its optimizer to its own gradients; at synchronisation
-points (every ``comm.sync_every`` steps, and every step of the first ``comm.sync_warmup``
-steps, which average gradients as ``sync`` does) the replicas are averaged in one fused
-collective: the change since the last synchronisation of the parameters and floating buffers
-(batch-norm statistics), and the inner optimizer's state (momentum, Adam moments), so that
-every synchronisation point is one model and one optimizer on every rank. The averaged change
-``delta = anchor - mean(params)`` goes through an outer optimizer (SlowMo/DiLoCo):
-``none`` makes the parameters the average; ``nesterov`` keeps a momentum buffer
-``m = mu*m + delta`` and moves ``anchor -= outer_lr*(delta + mu*m)``.
+``local_sgd``: each rank applies its own gradients; at synchronisation points (every ``comm.sync_every``
+steps, and each of the first ``comm.sync_warmup``, averaging gradients as ``sync`` does) one fused collective
+averages the change since the last one of the parameters and floating buffers (batch-norm statistics), and the
+inner optimizer's state (momentum, Adam moments), leaving one model and one optimizer on all ranks. The
+averaged change ``delta = anchor - mean(params)`` goes through an outer optimizer (SlowMo/DiLoCo): ``none``:
+the plain average; ``nesterov``: momentum ``m = mu*m + delta``, ``anchor -= outer_lr*(delta + mu*m)``.
 
-``stale``: the average of step t's gradients is started without waiting and applied at step
-t+1, so it travels while step t+1 computes. Step 1 of a run (or after a flush) applies
-nothing; the end of training applies the last pending average; a checkpoint holds the
-pending average (waiting for it, never applying it), so resuming continues the same sequence.
+``stale``: step t's gradient average travels while step t+1 computes and is applied then; step 1 (or after a
+flush) applies nothing, and a checkpoint holds the pending average, so a resume continues the same sequence.
 
-The trainer talks to one object of :func:`build` per run, at fixed places of a step::
+The trainer drives one object of :func:`build` per run, whose tensors are part of every checkpoint::
 
     mode = build(cfg.comm, backend, model)
     optimizer = mode.wrap_optimizer(inner_optimizer, model, accumulation)
@@ -30,8 +24,6 @@ The trainer talks to one object of :func:`build` per run, at fixed places of a s
     synced = mode.after_step(step)                     # True at a synchronisation point
     mode.may_save(step, **when)                        # checkpoints only at those points
     mode.sync_now(step); mode.end(step, stopped)       # epoch end, the end of training
-
-Its tensors (``checkpoint_tensors``/``restore_tensors``) are part of every checkpoint.
 """
 import logging
 
@@ -56,8 +48,7 @@ def build(comm_cfg, backend, model):
 
 
 def check_replicas(model, comm, after):
-    """Collective: raise the same :class:`ReplicasDiverged` on every rank, naming the ranks that
-    differ, when they are not one model."""
+    """Collective: if replicas differ, every rank raises the same :class:`ReplicasDiverged`, naming them."""
     found = compare_replicas(model, comm)
     if found is not None:
         _, (diverged, reference), first = found
@@ -90,8 +81,7 @@ class Sync:
         self.optimizer = state.optimizer
 
     def synchronize_gradients(self, optimizer, step):
-        """After the backward passes of step ``step`` (counted from 1): make the gradients to
-        apply; False when there are none this step."""
+        """After step ``step``'s backward passes (from 1): the gradients to apply; False: none this step."""
         self.backend.synchronize(optimizer)
         return True
 
@@ -152,9 +142,8 @@ class _SelfAveraging(Sync):
 
 
 class OuterOptimizer:
-    """The outer optimizer of ``local_sgd`` (SlowMo/DiLoCo): the anchor, ``tensors`` (the parameters,
-    named ``names``, then the floating buffers) as they were at the last synchronisation point, moves
-    by the averaged change ``delta``, through a momentum buffer per parameter with nesterov."""
+    """``local_sgd``'s outer step: the anchor, ``tensors`` (parameters named ``names``, then floating buffers)
+    at the last synchronisation, moves by the averaged change (nesterov: via momentum per parameter)."""
 
     def __init__(self, cfg, tensors, names):
         import torch
@@ -250,9 +239,8 @@ class LocalSGD(_SelfAveraging):
         return True
 
     def _average_gradients_and_buffers(self):
-        """A warm-up step, as ``sync``: the averaged gradients, and the floating buffers averaged
-        too (batch-norm statistics are computed from each rank's own batch), so that the anchor
-        of the first local period is the same on every rank."""
+        """A warm-up step, as ``sync``, with the floating buffers averaged too (batch-norm statistics come
+        from each rank's own batch), so the first local period's anchor is the same on every rank."""
         import torch
 
         params = self._grads()
@@ -262,10 +250,9 @@ class LocalSGD(_SelfAveraging):
                 p.grad = chunk.to(p.dtype) if p.dtype != grads.dtype else chunk
 
     def _average_fused(self, head, fill, tail):
-        """One collective averages a flat buffer: the values ``fill`` writes there for the tensors
-        ``head`` (returned, averaged), then the tensors ``tail`` (averaged in place). With fp16
-        compression the head (gradients, changes: small) travels in fp16, the tail in fp32 apart:
-        fp16 would not hold it (Adam's squared moments would underflow)."""
+        """One collective averages a flat buffer: ``fill``'s values for the tensors ``head`` (returned,
+        averaged), then the tensors ``tail`` (averaged in place). With fp16 compression the head (gradients,
+        changes: small) goes in fp16, the tail apart in fp32 (Adam's squared moments would underflow)."""
         import torch
 
         n_head = sum(t.numel() for t in head)
@@ -325,7 +312,6 @@ class LocalSGD(_SelfAveraging):
         return out
 
     def _average(self, after):
-        """One synchronisation: the fused average, the outer step, the replica check."""
         import torch
 
         with torch.no_grad():

@@ -4,9 +4,8 @@ Every score is a pair ``(sum, count)`` summed over batches and then over ranks, 
 order (exact: no mean of means), and reported as ``val_<name> = sum / count``:
 
 * ``loss``: the loss of each batch times its number of samples; always.
-* ``accuracy``: only where it means something: logits ``(B, C)`` with integer targets ``(B,)``
-  (correct samples), or per-token logits ``(B, T, C)`` with integer targets ``(B, T)``
-  (correct tokens).
+* ``accuracy``: only where it means something: logits ``(B, C)`` with integer targets ``(B,)`` (correct
+  samples), or per-token logits ``(B, T, C)`` with integer targets ``(B, T)`` (correct tokens).
 * the ``train.metrics`` function's, ``metrics(output, target) -> {name: (sum, count)}``; a plain
   number instead of a pair is taken as the batch's mean over its ``len(target)`` samples.
 
@@ -68,15 +67,13 @@ def means(totals):
 
 
 def evaluate(run):
-    """Collective: the whole validation set scored, each rank its part (``run.steps``); the
-    means in ``run.metrics``, told to the callbacks (``on_eval``); returns them."""
+    """Collective: each rank scores its part (``run.steps``); the means go to ``run.metrics``, ``on_eval``."""
     from ..job.watchdog import watching
 
     t = run.cfg.train
     with watching(f"evaluation at step {run.state.progress.step}"):
         totals = run.steps.eval_totals(run, t.eval_batch_size or t.batch_size)
-        # Sums, not per-rank means: ranks may hold different numbers of samples. Added in rank
-        # order on every rank, so all report the same numbers.
+        # Sums, not means: ranks may hold different numbers of samples; in rank order, so every rank agrees.
         run.metrics = means(combine(run.world.comm.allgather(totals)))
         run.evaluated_at = run.state.progress.step
         run.tell("on_eval", run.state, run.metrics)

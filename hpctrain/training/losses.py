@@ -1,6 +1,5 @@
-"""The loss and the evaluation metrics a configuration names: ``train.loss`` (a built-in name of
-:data:`hpctrain.config.schema.LOSSES`, or ``"package.module:function"``) and ``train.metrics``
-(``"package.module:function"``, ``(output, target) -> {name: (sum, count)}``)."""
+"""The loss and evaluation metrics a configuration names: ``train.loss`` and ``train.metrics``, each a
+``"package.module:function"`` (or, for the loss, a built-in name of :data:`hpctrain.config.schema.LOSSES`)."""
 import inspect
 
 from ..config.schema import LOSSES
@@ -8,8 +7,7 @@ from ..config.usercode import resolve
 
 
 def build_loss(name):
-    """``loss(output, target) -> scalar`` for ``train.loss``. A class named by path is
-    instantiated without arguments (``torch.nn.HuberLoss``)."""
+    """``loss(output, target)`` for ``train.loss``; a class (``torch.nn.HuberLoss``) gets no arguments."""
     if name in LOSSES:
         return _builtin_loss(name)
     fn = resolve(name, "train.loss")
@@ -17,7 +15,7 @@ def build_loss(name):
 
 
 def build_metrics(spec):
-    """``metrics(output, target)`` for ``train.metrics``, or None."""
+    """``metrics(output, target) -> {name: (sum, count)}`` for ``train.metrics``, or None."""
     return resolve(spec, "train.metrics") if spec else None
 
 

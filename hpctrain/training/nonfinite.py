@@ -1,11 +1,9 @@
 """What the trainer does with a step whose averaged gradients are not finite.
 
-After the all-reduce every rank holds the same averaged gradients (a NaN in one rank's
-loss reaches all of them through the average), so one fused check gives the same verdict
-everywhere without another collective. A bad step is never applied; then, as
-``train.on_nonfinite`` says: ``skip`` it (up to ``max_nonfinite_skips`` in a row),
-``rollback`` to the newest checkpoint with the learning rate times ``rollback_lr_factor``
-(up to ``max_rollbacks``), or ``stop``; ``auto`` skips, then rolls back, then stops.
+After the all-reduce all ranks hold the same averaged gradients (one rank's NaN reaches all), so one fused
+check, no other collective, gives one verdict. A bad step is never applied; then, per ``train.on_nonfinite``:
+``skip`` it (up to ``max_nonfinite_skips`` in a row), ``rollback`` to the newest checkpoint with the lr times
+``rollback_lr_factor`` (up to ``max_rollbacks``), or ``stop``; ``auto`` skips, then rolls back, then stops.
 """
 from ..errors import EXIT_DIVERGED, HpctrainError
 from ..job.watchdog import watching
@@ -19,16 +17,13 @@ class NonFiniteError(HpctrainError):
     exit_code = EXIT_DIVERGED
 
 
-# Kept in Progress.extra, so in every checkpoint: how often this run rolled back, and the
-# learning-rate multiplier those rollbacks left.
+# Kept in Progress.extra, so in every checkpoint: how often this run rolled back, and the lr factor it left.
 ROLLBACKS, LR_FACTOR = "nonfinite_rollbacks", "lr_factor"
 
 
 def grads_finite(optimizer):
-    """True if every gradient is finite: one fused pass (``_foreach_norm``) and one host sync,
-    right after the all-reduce wait. The same verdict on every rank: they hold the same
-    averaged gradients. A sum of squares that overflows counts as non-finite too: such a
-    step is blowing up anyway."""
+    """True if every gradient is finite: one fused pass (``_foreach_norm``) and one host sync, just after the
+    all-reduce wait. An overflowing sum of squares counts as non-finite too: the step is blowing up anyway."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -80,10 +75,8 @@ def choose_action(t, skips, rollbacks, can_roll_back):
 
 
 def handle(run, tensor):
-    """The averaged gradients of the step just taken were not finite (the same verdict on
-    every rank: they hold the same averaged gradients); its update was not applied. Skip,
-    roll back (returns ROLLED_BACK) or raise :class:`NonFiniteError`, as
-    ``train.on_nonfinite`` says. ``tensor``: the first parameter whose gradient is not finite."""
+    """Skip, roll back (returns ROLLED_BACK) or raise :class:`NonFiniteError`, as ``train.on_nonfinite`` says:
+    the step just taken had non-finite averaged gradients (the first: ``tensor``) and was not applied."""
     t, progress = run.cfg.train, run.state.progress
     step = progress.step + 1
     run.skips += 1
@@ -114,7 +107,6 @@ def handle(run, tensor):
     _tell(run, event)
     if action == "skip":
         return None
-    # Every rank reached the same verdict on the same gradients: all raise it alike.
     raise everywhere(NonFiniteError(stop_message(step, tensor, t, event), hint=stop_hint(run.checkpoints)))
 
 

@@ -1,5 +1,4 @@
-"""The optimizer a configuration names (``train.optimizer``, ``lr``, ``momentum``,
-``weight_decay``) and its learning rate at each step (``train.warmup_steps``)."""
+"""The optimizer ``train.optimizer`` names (with ``lr``, ``momentum``, ``weight_decay``) and its warm-up."""
 
 
 def make_optimizer(model, t, lr):

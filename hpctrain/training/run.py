@@ -3,7 +3,6 @@ carries from step to step; why an epoch of training returned; how the callbacks 
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-# Why an epoch of training returned.
 EPOCH_END, MAX_STEPS, STOP_REQUESTED, ROLLED_BACK = "epoch_end", "max_steps", "stop_requested", "rolled_back"
 
 

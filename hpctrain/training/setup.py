@@ -1,9 +1,8 @@
 """Setting up a run: the named steps of :meth:`hpctrain.Trainer.fit` before its first step, in
 the order every rank follows (each collective one is entered by every rank, or fails on all).
 
-    validate -> watchdog -> steps (backend, process grid) -> run directory and its lock ->
-    data and sampler -> model -> optimizer and state -> checkpoints -> resume and broadcast ->
-    monitor -> the run's first lines
+    validate -> watchdog -> steps (backend, process grid) -> run directory and its lock -> data and sampler ->
+    model -> optimizer and state -> checkpoints -> resume and broadcast -> monitor -> the run's first lines
 """
 import os
 
@@ -29,8 +28,7 @@ from .steps import DataParallelSteps, ShardedSteps
 
 
 def set_up(trainer, local):
-    """The :class:`~.run.Run` of ``trainer``'s configuration; ``local`` (an ExitStack) gets the
-    cleanup of what one rank can undo alone (the watchdog, the run lock)."""
+    """``trainer``'s :class:`~.run.Run`; ``local`` (an ExitStack) gets the cleanup one rank can do alone."""
     import torch
 
     world = trainer.world = trainer.world or init_world()
@@ -100,8 +98,7 @@ def _check_enough_data(sampler):
 
 
 def _state(cfg, steps, model, base_lr):
-    """The model, its optimizer (as ``comm.mode`` and ``comm.shard`` have it), the GradScaler of
-    fp16, and the communication mode, whose tensors checkpoints save too."""
+    """The model, its optimizer as ``comm.mode``/``comm.shard`` have it, fp16's GradScaler, the comm mode."""
     import torch
 
     t = cfg.train

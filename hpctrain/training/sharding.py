@@ -1,9 +1,8 @@
 """Sharded optimizer state and gradients (``comm.shard``, ZeRO stages 1 and 2).
 
-Data-parallel training keeps the whole optimizer state on every rank (AdamW: 8 bytes per
-parameter beside 4 of weights and 4 of gradients). With ``comm.shard`` the parameters live
-in one flat fp32 buffer (the model's tensors become views of it), cut into one contiguous
-slice per rank. A step:
+Data-parallel training keeps the whole optimizer state on every rank (AdamW: 8 bytes per parameter beside 4 of
+weights and 4 of gradients). With ``comm.shard`` the parameters live in one flat fp32 buffer (the model's
+tensors become views of it), cut into one contiguous slice per rank. A step:
 
     backward passes (gradients summed locally, as without sharding)
     reduction: each rank gets the average of (at least) its slice         (``comm.shard_reduce``)
@@ -11,25 +10,19 @@ slice per rank. A step:
     a real torch optimizer (SGD, Adam, AdamW) updates the slice: its state is 1/N of the whole
     all-gather: every rank's updated slice to every rank               (backend.allgather_flat)
 
-The reduction is either a reduce-scatter after the backward passes (``"reduce_scatter"``:
-each rank receives only its slice, half the bytes of an all-reduce on a ring) or an
-all-reduce of buckets of the flat gradients, each started as soon as the backward pass has
-made all its gradients, so that it travels while the rest of the backward pass runs
-(``"allreduce"``; each rank then keeps its slice). ``"auto"`` takes the all-reduce for CPU
-tensors, where Open MPI's shared-memory ``MPI_Reduce_scatter`` measured 2-3x slower than its
-``MPI_Allreduce`` of the same buffer (docs/sharding.md), and the reduce-scatter on GPUs.
+The reduction is a reduce-scatter after the backward passes (``"reduce_scatter"``: each rank receives only its
+slice, half the bytes of an all-reduce on a ring) or an all-reduce of flat gradient buckets, each started once
+its gradients exist, so it travels while the backward pass goes on (``"allreduce"``; each rank keeps its
+slice). ``"auto"``: the reduce-scatter on GPUs, the all-reduce on CPUs, where Open MPI's shared-memory
+``MPI_Reduce_scatter`` measured 2-3x slower than its ``MPI_Allreduce`` of the same buffer (docs/sharding.md).
 
-``"optimizer"`` (stage 1) keeps a persistent flat gradient buffer that the model's gradients
-are views of (no allocation per step); ``"gradients"`` (stage 2) moves each gradient, as the
-backward pass makes it, into a flat buffer that is freed after the reduce-scatter, and keeps
-only the slice's averaged gradients between steps. Elementwise optimizers give the same
-update on a slice as on the whole tensor, so a sharded run equals a replicated one up to
-the order of the floating-point sums in the reduction.
+``"optimizer"`` (stage 1) keeps one flat gradient buffer that the model's gradients are views of (no
+allocation per step); ``"gradients"`` (stage 2) moves each new gradient into a flat buffer freed after the
+reduce-scatter, keeping only the slice's averaged gradients between steps. Elementwise optimizers update
+a slice like the whole, so a sharded run equals a replicated one up to the order of floating-point sums.
 
-Slice boundaries fall on row boundaries of the parameters (a row: all elements with one
-index along dimension 0), so that each rank's part of a parameter is a block of rows: the
-region the checkpoint writer takes (``hpctrain.checkpoint.sharded``). Slices are balanced
-to within one row.
+Slices end on row boundaries (a row: all elements with one index along the first dimension): each rank's part
+of a parameter is a block of rows, the region ``hpctrain.checkpoint.sharded`` writes.
 
 >>> bounds = shard_bounds([(4, 3), (5,)], 2)   # 12 + 5 elements, two ranks
 >>> bounds
@@ -84,9 +77,8 @@ def _rows(shape):
 
 
 def shard_bounds(shapes, nranks):
-    """``[(start, stop)]`` per rank: element ranges of the flat concatenation of tensors of
-    ``shapes`` (in order), contiguous, together the whole, each boundary on a row boundary
-    and nearest to an equal share (pure; the same on every rank)."""
+    """``[(start, stop)]`` per rank: contiguous element ranges covering the flat concatenation of tensors of
+    ``shapes``, each boundary on the row boundary nearest to an equal share (pure; the same on every rank)."""
     *offsets, total = itertools.accumulate(map(math.prod, shapes), initial=0)
     cuts = [0]
     for r in range(1, nranks):
@@ -168,10 +160,9 @@ class ShardGradients:
                 p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i))
 
     def _on_grad(self, i):
-        """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2:
-        add it into a flat buffer and free it, so that the model's gradients never all exist
-        beside the buffer. ``"allreduce"``: count it, and start the buckets that the step's
-        last backward pass has completed."""
+        """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2: add it into a
+        flat buffer and free it, so that the model's gradients never all exist beside the buffer.
+        ``"allreduce"``: count it, and start the buckets that the step's last backward pass has completed."""
         off, n = self.offsets[i], self.params[i].numel()
         k = self._bucket_of[i]
         start = self.buckets[k][0]
@@ -263,17 +254,15 @@ class ShardGradients:
 class ShardedOptimizer:
     """The optimizer the trainer steps when ``comm.shard`` is not ``"none"``.
 
-    ``optimizer``: the torch optimizer over the model's parameters, as built for a
-    replicated run; it is replaced by one of the same class and settings over this rank's
-    slice. ``stage``: ``"optimizer"`` or ``"gradients"``.
+    ``optimizer``: the torch optimizer over the model's parameters as built for a replicated run, replaced by
+    one of the same class and settings over this rank's slice. ``stage``: ``"optimizer"`` or ``"gradients"``.
 
     >>> opt = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, backend)  # doctest: +SKIP
     >>> loss.backward(); opt.synchronize(); opt.clip_grad_norm(1.0); opt.step(); opt.zero_grad()    # doctest: +SKIP
     """
 
     sharded = True
-    # Stage 2 waits for the oldest bucket once this many are in flight, so that only a few
-    # buckets' full gradients exist at a time, beside this rank's slice.
+    # Stage 2 waits for the oldest bucket past this many in flight, so few buckets' full gradients coexist.
     MAX_IN_FLIGHT = 2
 
     def __init__(self, optimizer, model, backend, stage="optimizer", accumulation=1, reduction="auto"):
@@ -290,8 +279,7 @@ class ShardedOptimizer:
         self.bounds = shard_bounds(self.shapes, self.size)
         self.counts = [b - a for a, b in self.bounds]
         *self.offsets, self.numel = itertools.accumulate((p.numel() for p in self.params), initial=0)
-        # The model's parameters become views of one flat buffer: the all-gather writes
-        # straight into them, and this rank's slice is the tensor its optimizer updates.
+        # Views of one buffer: the all-gather fills them in place; the optimizer updates this rank's slice.
         self.flat = torch.empty(self.numel, dtype=torch.float32, device=self.params[0].device)
         with torch.no_grad():
             for p, view in zip(self.params, views(self.flat, self.params)):
@@ -323,8 +311,7 @@ class ShardedOptimizer:
 
     # ---- one step
     def synchronize(self):
-        """Reduce the summed local gradients: this rank's slice of their average becomes the
-        gradient its optimizer steps with."""
+        """Reduce: this rank's slice of the summed local gradients' average becomes its optimizer's grad."""
         import torch
 
         with torch.no_grad():
@@ -339,8 +326,7 @@ class ShardedOptimizer:
         return self.backend.allreduce_mean(1.0 if ok else 0.0) == 1.0
 
     def first_nonfinite(self):
-        """``name (NaN)`` or ``name (inf)`` of the first parameter with a non-finite gradient
-        element, found on whichever rank holds it (the same answer on every rank)."""
+        """As :func:`.nonfinite.first_nonfinite`, over every rank's slice (the same answer on every rank)."""
         import torch
 
         lo, hi = self.bounds[self.rank]
@@ -358,8 +344,7 @@ class ShardedOptimizer:
         return min(candidates)[1] if candidates else "none: every element is finite, but their norm overflows"
 
     def clip_grad_norm(self, max_norm):
-        """Scale the gradients so that their global L2 norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` does on the whole; returns the norm before."""
+        """Clip as ``torch.nn.utils.clip_grad_norm_`` does on the whole; returns the global norm before."""
         import torch
 
         grad = self.shard.grad

@@ -1,6 +1,5 @@
-"""The steps of a split model (``[parallel]`` with more than one stage or tensor rank), for
-:class:`hpctrain.Trainer`; everything else (the loop, ``metrics.jsonl`` and progress, stop on
-request, the checkpoint pipeline and resume) is the trainer's own.
+"""Split-model steps (``[parallel]`` with more than one stage or tensor rank) for :class:`hpctrain.Trainer`,
+which does the rest: the loop, ``metrics.jsonl`` and progress, stop on request, checkpoints and resume.
 
     mpirun -n 4 hpctrain train examples/pipeline_mlp.toml          # 2 stages x 2 replicas
     sbatch --ntasks=4 slurm/train.sbatch examples/pipeline_mlp.toml parallel.tensor=2 parallel.stages=1
@@ -9,14 +8,11 @@ What differs from data parallelism:
 
 * the process grid and a :class:`~hpctrain.parallel.hybrid.ReplicaBackend` (replicas average
   over Horovod process sets, or over MPI sub-communicators with ``comm.backend = "mpi"``);
-* this rank's stage: only its layers are built when the model is a
-  :class:`~hpctrain.models.stack.LayerStack` (``[model] name = "transformer"``); an
-  ``nn.Sequential`` (a user's model) is built whole on every rank and cut;
-* the data of a step: ``train.batch_size`` samples per *replica*, read by the first stage
-  (inputs) and the last (targets), passed through the pipeline in ``parallel.micro_batches``;
-* evaluation through the pipeline, and the checkpoint planner of
-  :mod:`hpctrain.parallel.checkpoint` (each rank writes the regions it holds; a file loads
-  into any layout).
+* this rank's stage: of a :class:`~hpctrain.models.stack.LayerStack` (``[model] name = "transformer"``) only
+  its layers are built; an ``nn.Sequential`` (a user's model) is built whole on every rank and cut;
+* data: ``train.batch_size`` samples per *replica* and step, pipelined in ``parallel.micro_batches``;
+* evaluation through the pipeline, and the checkpoint planner of :mod:`hpctrain.parallel.checkpoint` (each
+  rank writes the regions it holds; a file loads into any layout).
 """
 import numpy as np
 
@@ -32,8 +28,7 @@ from .steps import DataParallelSteps
 
 
 def model_stack(cfg, model=None):
-    """What the pipeline splits: the user's model (``nn.Sequential`` or :class:`LayerStack`)
-    or the configured one; the transformer as a stack, so each rank builds only its stage."""
+    """The model to split: the user's (``nn.Sequential`` or :class:`LayerStack`), else ``[model]``'s."""
     if model is not None:
         return model
     if cfg.model.name == "transformer":
@@ -112,8 +107,7 @@ class SplitSteps(DataParallelSteps):
         return bool(self.grid.comm.allreduce(int(bool(super().grads_finite(state, apply))), op=MPI.MIN))
 
     def eval_totals(self, run, batch_size):
-        """Each replica scores a part through its pipeline; only the last stage's tensor rank 0
-        counts, the other ranks add nothing."""
+        """Each replica scores a part through its pipeline; only the last stage's tensor rank 0 counts it."""
         pipe = self.pipeline
         counts = self.grid.is_last_stage and self.grid.tensor_rank == 0
         indices = eval_shard(len(run.val), self.data_rank, self.data_ranks)

@@ -1,10 +1,7 @@
-"""How a training step runs, behind one interface, so that the trainer's loop is the same for
-every way of training (:func:`.setup.steps_for` picks one):
+"""How a step runs, behind one interface so the trainer has one loop (:func:`.setup.steps_for` picks one):
 
-* :class:`DataParallelSteps`: every rank holds the whole model and reads its own micro-batches;
-  the backend averages the gradients as ``comm.mode`` says (:mod:`.comm_modes`);
-* :class:`ShardedSteps` (``comm.shard``): the same, with each rank's optimizer updating its
-  slice of the parameters (:mod:`.sharding`);
+* :class:`DataParallelSteps`: whole models, gradients averaged as ``comm.mode`` says (:mod:`.comm_modes`);
+* :class:`ShardedSteps` (``comm.shard``): the same, but each rank updates only its slice (:mod:`.sharding`);
 * :class:`~.split.SplitSteps` (``[parallel]``): the model split into pipeline stages and
   tensor-parallel ranks, the replicas of each stage averaging its gradients.
 
@@ -17,9 +14,6 @@ A step, as the trainer drives it::
         bad = steps.first_nonfinite(state)
     elif apply:
         steps.clip(state, max_norm); steps.apply(state)
-
-Beside the step: the model and optimizer each rank builds, the broadcast after a resume, this
-rank's share of an evaluation, and the checkpoint planner (who writes what of a file).
 """
 import contextlib
 
@@ -71,8 +65,7 @@ class DataParallelSteps:
 
     # -- set-up
     def build_model(self, model, train, loss_fn):
-        """This rank's model on its device: ``model``, or ``[model]``'s (a failure on one rank
-        raised on all)."""
+        """This rank's model on its device: ``model``, or ``[model]``'s (one rank's failure raised on all)."""
         model = model if model is not None else all_or_none(lambda: build_model(self.cfg.model), self.world.comm)
         model.to(self.world.device)
         return model
@@ -98,8 +91,7 @@ class DataParallelSteps:
 
     # -- a step
     def forward_backward(self, run, indices, count):
-        """Read micro-batch ``indices``, forward and backward (its gradient 1/``count`` of the
-        step's); its loss."""
+        """Read micro-batch ``indices``, forward and backward (gradient scaled by 1/``count``); its loss."""
         device, scaler = self.world.device, run.state.scaler
         with run.timer.phase("data"):
             x, y = run.train.read(indices)
@@ -156,8 +148,7 @@ class DataParallelSteps:
 
 
 class ShardedSteps(DataParallelSteps):
-    """``comm.shard``: each rank updates its slice (:class:`~.sharding.ShardedOptimizer`); the
-    verdict on finiteness and the gradient norm take every slice. ``comm.mode`` is ``sync``."""
+    """Each rank updates its slice (:class:`~.sharding.ShardedOptimizer`); ``comm.mode`` is ``sync``."""
 
     def wrap_optimizer(self, make, model, mode):
         from .sharding import ShardedOptimizer

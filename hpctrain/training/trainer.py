@@ -5,8 +5,7 @@ Launch (every rank runs the same command)::
     mpirun -n 4 hpctrain train examples/digits.toml train.batch_size=32
     srun --mpi=pmix -n 4 hpctrain train examples/digits.toml comm.backend=mpi
 
-From Python, with your own model and data (anything with ``read(indices) -> (x, y)``, or a
-map-style torch dataset), launched the same way::
+From Python, launched alike, with your model and data (``read(indices) -> (x, y)``, or a map-style dataset)::
 
     from hpctrain import ArrayDataset, TrainConfig, Trainer
 
@@ -16,10 +15,8 @@ map-style torch dataset), launched the same way::
                      val_data=ArrayDataset(x_val, y_val)).fit()
     print(result.metrics["val_accuracy"], result.run_dir)
 
-One step: read this rank's micro-batches, forward and backward each (gradients summed
-locally), wait for the all-reduce that averages them over ranks, apply them. The random
-generators are re-seeded from ``(seed, step, rank)`` every step and the data order comes
-from ``(seed, epoch)``, so ``Progress`` alone says where to resume.
+Every step re-seeds the random generators from ``(seed, step, rank)`` and the data order comes from
+``(seed, epoch)``, so ``Progress`` alone says where to resume.
 """
 import contextlib
 import os
@@ -53,17 +50,14 @@ class FitResult:
 class Trainer:
     """Data-parallel training of one model.
 
-    ``config``: a :class:`~hpctrain.config.TrainConfig`, a dict of sections, or a TOML path.
-    ``model``: an ``nn.Module`` (default: built from ``[model]``). ``train_data``/``val_data``:
-    datasets (default: the HDF5 file of ``[data]``). ``checkpoints``: an object with
-    ``resume(state)``, ``maybe_save(state, ...)``, ``close()`` (and ``load_latest(state)`` to roll
-    back after non-finite gradients, see ``train.on_nonfinite``); ``"auto"`` uses
-    ``hpctrain.checkpoint.CheckpointManager``, ``None`` none.
-    ``callbacks``: objects with any of ``on_step(state, metrics, phase_times)``,
-    ``on_eval(state, metrics)``, ``on_checkpoint(state, path, seconds)``,
-    ``on_nonfinite(state, event)``, ``on_end(state)``.
-    ``stop_requested``: a callable; when it returns True on any rank, every rank saves
-    (``requested=True``) and stops.
+    ``config``: a :class:`~hpctrain.config.TrainConfig`, a dict of sections, or a TOML path. ``model``: an
+    ``nn.Module`` (default: built from ``[model]``). ``train_data``/``val_data``: datasets (default: the HDF5
+    file of ``[data]``). ``checkpoints``: an object with ``resume(state)``, ``maybe_save(state, ...)``,
+    ``close()`` (and ``load_latest(state)`` to roll back after non-finite gradients, see
+    ``train.on_nonfinite``); ``"auto"`` uses ``hpctrain.checkpoint.CheckpointManager``, ``None`` none.
+    ``callbacks``: objects with any of ``on_step(state, metrics, phase_times)``, ``on_eval(state, metrics)``,
+    ``on_checkpoint(state, path, seconds)``, ``on_nonfinite(state, event)``, ``on_end(state)``.
+    ``stop_requested``: a callable; True on any rank makes every rank save (``requested=True``) and stop.
 
     >>> result = Trainer(cfg, model=net, train_data=train, val_data=val).fit()   # doctest: +SKIP
     """
@@ -151,9 +145,8 @@ def _finish(run, stopped):
 
 
 def _close(run):
-    """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over
-    ranks and closing checkpoints waits for a background save, which a rank that failed
-    alone never joins; the job is being aborted then anyway."""
+    """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over ranks, and closing
+    checkpoints waits for a background save that a rank failing alone never joins (the job aborts then)."""
     with watching("monitor end (last gather of timings)"):
         run.tell("on_end", run.state)
     if run.checkpoints is not None:
@@ -163,8 +156,7 @@ def _close(run):
 
 
 def _step(run, micro_batches):
-    """One optimizer step, then the evaluation and checkpoint it is due and the callbacks.
-    Returns ROLLED_BACK when non-finite gradients sent the run back to a checkpoint."""
+    """One step, then its due evaluation and checkpoint, and the callbacks; ROLLED_BACK if it rolled back."""
     t, progress, timer = run.cfg.train, run.state.progress, run.timer
     timer.start_step()
     lr = set_lr(run.state.optimizer, run.base_lr * progress.extra.get(nonfinite.LR_FACTOR, 1.0), t.warmup_steps,
@@ -191,8 +183,7 @@ def _step(run, micro_batches):
 
 
 def _train_step(run, micro_batches):
-    """Forward/backward every micro-batch, average gradients, apply them; the mean loss and
-    the first parameter whose gradient is not finite (None when all are)."""
+    """Forward/backward, average, apply; the mean loss and the first non-finite parameter (None if none)."""
     steps, state, timer = run.steps, run.state, run.timer
     seed_step(state.progress.seed, state.progress.step, run.world.rank)
     total = 0.0
