@@ -115,10 +115,13 @@ SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 EOF
   if [ "$NODES" -eq 1 ]; then
+    # TmpFS: PMIx names its per-step directory after the job and step ids, which every test
+    # cluster counts from 1; under /tmp two clusters on one machine would take each other's.
     cat >>"$DIR/slurm.conf" <<EOF
 SlurmdSpoolDir=$DIR/spool
 SlurmdPidFile=$DIR/run/slurmd.pid
 SlurmdLogFile=$DIR/log/slurmd.log
+TmpFS=$DIR/tmp
 NodeName=$host CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
@@ -242,7 +245,7 @@ start() {
   export PATH=$PATH:/usr/sbin:/sbin
   local host k
   host=$(hostname -s)
-  mkdir -p "$DIR"/{state,spool,run,log}
+  mkdir -p "$DIR"/{state,spool,run,log,tmp}
   if [ "$NODES" -gt 1 ]; then
     for prog in ip nsenter unshare; do command -v "$prog" >/dev/null || die "$prog not found (needed for --nodes)"; done
     load_network
