@@ -1,7 +1,7 @@
 """Configuration: TOML loading, key=value overrides typed by the field, validation errors."""
 import pytest
 
-from hpctrain.config import CheckpointConfig, TrainConfig, apply_override, load_config, validate
+from hpctrain.config import CheckpointConfig, TrainConfig, apply_override, load_config, step_budget, validate
 from hpctrain.errors import ConfigError
 
 
@@ -86,6 +86,7 @@ def valid(**sections):
     ("train.optimizer=adamm", "did you mean train.optimizer = 'adam'"),
     ("train.precision=fp16", "needs a GPU"),
     ("train.batch_size=0", "train.batch_size = 0 must be > 0"),
+    ("train.epochs=-1", "train.epochs = -1 must be >= 0"),
     ("comm.gradient_predivide_factor=0", "must be > 0"),
     ("train.lr_scaling=sqrt", "is not one of none, linear"),
     ("data.generate=mnist", "data.generate = 'mnist'"),
@@ -188,3 +189,26 @@ def test_unknown_shard_reduction_names_the_choices_and_the_closest():
                                           "reduce_scatter") as err:
         validate(cfg, world_size=2)
     assert "did you mean comm.shard_reduce = 'reduce_scatter'" in str(err.value.hint)
+
+
+@pytest.mark.parametrize("epochs, max_steps, budget", [
+    (0, 0, (1, 22, "one epoch: neither train.epochs nor train.max_steps is set")),
+    (0, 50, (None, 50, "train.max_steps = 50")),  # max_steps alone is the budget, not one epoch of it
+    (3, 0, (3, 66, "train.epochs = 3")),
+    (3, 50, (3, 50, "train.max_steps = 50")),  # both: whichever ends first
+    (2, 50, (2, 44, "train.epochs = 2")),
+    (2, 44, (2, 44, "train.epochs = 2")),
+])
+def test_the_step_budget_is_the_first_of_epochs_and_max_steps(epochs, max_steps, budget):
+    cfg = load_config(None, [f"train.epochs={epochs}", f"train.max_steps={max_steps}"], environ={})
+    assert step_budget(cfg.train, 22) == budget
+
+
+def test_a_configuration_that_is_not_text_names_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"[train]\nlr = 0.1\n\xff\xfe")
+    with pytest.raises(ConfigError, match=r"job.toml is not a text file: byte 0xff at offset 17 is not UTF-8"
+                                          r"(.|\n)*HINT: give the TOML configuration"):
+        load_config(path, environ={})
+    with pytest.raises(ConfigError, match=r"cannot be read: Is a directory"):
+        load_config(tmp_path, environ={})

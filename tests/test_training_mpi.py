@@ -215,6 +215,21 @@ def test_cli_unknown_key_exits_2_with_the_message(tmp_path):
     assert result.stderr.count("unknown key train.bach_size") == 1  # said once, not once per rank
 
 
+# ---------------------------------------------------------------- the step budget
+@pytest.mark.parametrize("epochs, max_steps, ends_by", [(0, 50, "max_steps"), (2, 50, "epochs")])
+def test_max_steps_alone_is_the_budget_and_with_epochs_the_first_ends_the_run(tmp_path, digits, epochs,
+                                                                              max_steps, ends_by):
+    result = hpctrain(2, "train", "examples/digits.toml", f"data.path={digits}", "comm.backend=mpi",
+                      f"run.root={tmp_path}/runs", f"train.epochs={epochs}", f"train.max_steps={max_steps}",
+                      "checkpoint.on_epoch_end=false", timeout=120).check()
+    per_epoch = int(re.search(r"; (\d+) steps/epoch;", result.stdout).group(1))
+    assert per_epoch < max_steps < 3 * per_epoch, result.stdout  # max_steps crosses epochs
+    last = max_steps if ends_by == "max_steps" else epochs * per_epoch
+    reason = f"train.max_steps = {max_steps}" if ends_by == "max_steps" else f"train.epochs = {epochs}"
+    assert f"until step {last} ({reason})" in result.stdout, result.stdout
+    assert f"done at step {last}, epoch {last // per_epoch}:" in result.stdout, result.stdout
+
+
 # ---------------------------------------------------------------- the digits example
 @pytest.mark.skipif(not _have_horovod(), reason="Horovod is not installed (make setup)")
 def test_digits_example_reaches_its_accuracy_with_fp16_compression(tmp_path):

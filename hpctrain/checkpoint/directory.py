@@ -19,12 +19,17 @@ def write_latest(directory, name):
 
 
 def read_latest(directory):
+    """The checkpoint name ``latest`` holds, or None: no ``latest``, or it names no file of this directory."""
+    name = _pointer(directory)
+    return name if name is not None and fmt.parse_step(name) is not None else None
+
+
+def _pointer(directory):
     try:
-        with open(os.path.join(directory, fmt.LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
+        with open(os.path.join(directory, fmt.LATEST), errors="replace") as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    return name if fmt.parse_step(name) is not None else None
 
 
 def scan(directory):
@@ -73,7 +78,13 @@ def candidates(directory):
     """Checkpoints of the current branch, newest first. ``latest`` is not trusted over the directory: a save
     whose ``latest`` update failed left a newer complete file, and abandoned branches were moved aside."""
     found = scan(directory)
-    latest = read_latest(directory)
+    latest, pointer = read_latest(directory), _pointer(directory)
+    if pointer is not None and latest is None:
+        # Only a ckpt-<step>.h5 beside it counts: never a path that leads out of the directory.
+        log.warning("%s names %r, which is not a checkpoint file name of this directory (ckpt-<step>.h5): "
+                    "ignored; %s", os.path.join(directory, fmt.LATEST), pointer[:200],
+                    f"resuming from the newest checkpoint there, {found[0][1]}" if found else
+                    "there is no checkpoint there, so the run starts from step 0")
     if latest is not None and found and latest != found[0][1]:
         log.warning("%s names %s, but %s is newer (a save whose `latest` update failed, or `latest` was "
                     "edited); resuming from the newest valid checkpoint",

@@ -8,8 +8,9 @@ environment and ``key=value`` overrides (:mod:`.loading`), the one validation of
 from .loading import apply_override, load_config
 from .schema import (CheckpointConfig, CommConfig, DataConfig, LoopConfig, ModelConfig, MonitorConfig,
                      ParallelConfig, RunConfig, TrainConfig, parse_literal, section_names)
-from .validation import check_choice, is_split, replicas_of, resolve_global_batch, validate
+from .validation import check_choice, is_split, replicas_of, resolve_global_batch, step_budget, validate
 
 __all__ = ["CheckpointConfig", "CommConfig", "DataConfig", "LoopConfig", "ModelConfig", "MonitorConfig",
            "ParallelConfig", "RunConfig", "TrainConfig", "apply_override", "check_choice", "is_split",
-           "load_config", "parse_literal", "replicas_of", "resolve_global_batch", "section_names", "validate"]
+           "load_config", "parse_literal", "replicas_of", "resolve_global_batch", "section_names",
+           "step_budget", "validate"]

@@ -61,6 +61,14 @@ def _read_toml(path):
                           hint="give the path of a TOML file, e.g. examples/digits.toml") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}", hint="fix the line named above") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a text file: byte {exc.object[exc.start]:#04x} at offset {exc.start} "
+                          f"is not UTF-8", hint="give the TOML configuration (UTF-8 text), e.g. "
+                                                "examples/digits.toml; a checkpoint or data file goes in "
+                                                "checkpoint.resume or data.path") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"configuration file {path} cannot be read: {exc.strerror or exc}",
+                          hint="give the path of a TOML file you can read, e.g. examples/digits.toml") from None
 
 
 def load_config(path=None, overrides=(), environ=None):

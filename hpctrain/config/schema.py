@@ -18,12 +18,18 @@ from ..errors import ConfigError
 # ---------------------------------------------------------------- the choices keys take
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALINGS = ("none", "linear")
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # hpctrain.training.optimizers.learning_rate
+DECAY_GROUPS = ("all", "matrices")  # train.weight_decay_on: every parameter, or 2-D+ weights but embeddings
 PRECISIONS = ("fp32", "bf16", "fp16")
 ON_NONFINITE = ("auto", "skip", "rollback", "stop")
 GENERATORS = ("none", "digits", "teacher")
+DATA_KINDS = ("hdf5", "tokens")  # [data] kind: (x, y) sample files, or one token stream (hpctrain.data.tokens)
+TOKEN_DTYPES = ("uint16", "uint32")  # data.dtype of a raw .bin token file
+TOKEN_FORMATS = (".bin", ".npy", ".h5", ".hdf5")  # token files by suffix: raw, NumPy, HDF5
 MODELS = ("mlp", "transformer")  # hpctrain.models
 # loss(output, target) -> scalar, named without an import path (hpctrain.training.losses)
 LOSSES = ("cross_entropy", "mse", "l1", "smooth_l1", "bce_with_logits")
+MODEL_LOSS = "model"  # train.loss: the model computes its own, model(x, y) (hpctrain.training.losses)
 BACKENDS = ("horovod", "mpi")  # hpctrain.backends
 COMPRESSIONS = ("none", "fp16")  # hpctrain.backends.compression
 COMM_MODES = ("sync", "local_sgd", "stale")  # hpctrain.training.comm_modes
@@ -96,9 +102,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """``[data]``: an HDF5 file with a training and (optionally) a validation split."""
+    """``[data]``: an HDF5 file with a training and (optionally) a validation split, or (``kind = "tokens"``)
+    a token stream read in windows (docs/data.md)."""
 
-    path: Optional[str] = None  # HDF5 file
+    # "hdf5": samples x[i] and labels y[i] in ``path``; "tokens": ``path`` is one long 1-D token stream
+    # (.bin, .npy or a 1-D HDF5 dataset), each sample a window of block_size + 1 tokens (x, then y shifted by one)
+    kind: str = "hdf5"
+    path: Optional[str] = None  # HDF5 file; with kind "tokens": the training token file
     train: str = "train"  # group holding the training split ("" = the file's root)
     val: str = "val"  # group holding the validation split; "none" for no evaluation
     x: str = "x"  # dataset names inside each group
@@ -106,6 +116,12 @@ class DataConfig:
     generate: str = "none"  # create ``path`` on rank 0 if missing: "digits", "teacher" or "none"
     samples: int = 65536  # teacher corpus: training samples
     val_samples: int = 4096  # teacher corpus: validation samples
+    # kind "tokens" only: tokens per sample (the model's context length); windows start every stride tokens
+    block_size: int = 0  # required with kind "tokens"
+    stride: int = 0  # 0: block_size (windows that do not overlap)
+    dtype: str = "uint16"  # of a raw .bin file ("uint16" or "uint32"); .npy and HDF5 files carry their own
+    val_path: Optional[str] = None  # the validation token file; not set: no evaluation
+    token_dataset: str = "tokens"  # HDF5 token files: the name of the 1-D dataset in path and val_path
     # Your own data instead: "package.module:function" returning (train, val) datasets, or one
     # (no evaluation); called with [data.kwargs], on rank 0 first, then on the other ranks.
     factory: str = ""
@@ -116,17 +132,32 @@ class DataConfig:
 class LoopConfig:
     """``[train]``: the training loop."""
 
-    epochs: int = 1
-    max_steps: int = 0  # stop after this many optimizer steps; 0: no limit
+    # The budget: whichever of the two ends first; with neither set, one epoch. max_steps alone trains
+    # that many optimizer steps (epochs follow from it), epochs alone that many passes over the data.
+    epochs: int = 0
+    max_steps: int = 0
     batch_size: int = 32  # per rank and backward pass
     global_batch_size: int = 0  # if set: batch_size = global_batch_size / (ranks x accumulation)
     accumulation: int = 1  # backward passes per optimizer step
     lr: float = 0.1
-    optimizer: str = "sgd"  # sgd, adam, adamw
+    # sgd, adam, adamw, or "package.module:function" called as function(model, lr=..., weight_decay=...) and
+    # returning a torch optimizer (its parameter groups are its own)
+    optimizer: str = "sgd"
     momentum: float = 0.0
     weight_decay: float = 0.0
     lr_scaling: str = "none"  # "linear": lr x ranks
     warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr
+    # After the warm-up: "constant"; "cosine" or "linear" down to lr x lr_min_ratio at step lr_decay_steps
+    # (0: the run's step budget, train.max_steps or epochs x steps per epoch); "step": x lr_step_gamma every
+    # lr_step_every steps (not below lr x lr_min_ratio). From the step alone: a resume continues it exactly.
+    lr_schedule: str = "constant"
+    lr_decay_steps: int = 0
+    lr_min_ratio: float = 0.0  # e.g. 0.1, as nanoGPT's min_lr = lr / 10
+    lr_step_every: int = 0
+    lr_step_gamma: float = 0.1
+    # "all": weight_decay on every parameter; "matrices": only on 2-D and larger weights, not on biases,
+    # norms (1-D) and embeddings (torch.nn.Embedding), the usual recipe for transformers
+    weight_decay_on: str = "all"
     precision: str = "fp32"  # fp32, bf16 (CPU or GPU), fp16 (GPU only, with a GradScaler)
     eval_every: int = 0  # steps between evaluations; 0: at the end of each epoch only
     eval_batch_size: int = 0  # 0: batch_size
@@ -141,7 +172,9 @@ class LoopConfig:
     max_nonfinite_skips: int = 3  # consecutive skipped steps tolerated
     max_rollbacks: int = 2  # rollbacks per run (counted across resumes) before stopping
     rollback_lr_factor: float = 0.5  # learning-rate multiplier per rollback, kept across resumes; 1: unchanged
-    # loss(output, target) -> scalar: a built-in name (LOSSES above) or "package.module:function"
+    # loss(output, target) -> scalar: a built-in name (LOSSES above) or "package.module:function"; "model":
+    # the model computes it, called as model(x, y) and returning a scalar loss, (output, loss) as nanoGPT's
+    # GPT does, or an object with .loss (and .logits) as Hugging Face models do
     loss: str = "cross_entropy"
     # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
     metrics: str = ""

@@ -28,7 +28,7 @@ import sys
 import traceback
 
 from ..errors import ConfigError
-from .schema import LOSSES
+from .schema import LOSSES, MODEL_LOSS
 
 
 # ---------------------------------------------------------------- import paths
@@ -130,12 +130,29 @@ def check_user_code(cfg, need_data=True):
             raise ConfigError(f"{section}.kwargs = {table.kwargs!r} is set but {section}.factory is not: "
                               f"nothing to pass them to",
                               hint=f'set {section}.factory = "package.module:function", or remove {section}.kwargs')
-    if cfg.train.loss not in LOSSES:
+    if cfg.train.loss not in LOSSES + (MODEL_LOSS,):
         if ":" not in cfg.train.loss:
-            raise ConfigError(f"train.loss = {cfg.train.loss!r} is neither a built-in loss ({', '.join(LOSSES)}) "
-                              f"nor an import path", hint='e.g. train.loss = "mse", or "mypkg.losses:my_loss"')
+            raise ConfigError(f"train.loss = {cfg.train.loss!r} is neither a built-in loss ({', '.join(LOSSES)}), "
+                              f"{MODEL_LOSS!r} (the model computes it) nor an import path",
+                              hint='e.g. train.loss = "mse", or "mypkg.losses:my_loss"')
         resolve(cfg.train.loss, "train.loss")
     if cfg.train.metrics:
         resolve(cfg.train.metrics, "train.metrics")
+    if ":" in cfg.train.optimizer:
+        _check_optimizer_function(cfg.train.optimizer)
+
+
+OPTIMIZER_CALL = "function(model, lr=..., weight_decay=...)"
+
+
+def _check_optimizer_function(spec):
+    fn = resolve(spec, "train.optimizer")
+    try:
+        inspect.signature(fn).bind(None, lr=0.1, weight_decay=0.0)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"train.optimizer = {spec!r} cannot be called as {OPTIMIZER_CALL}: {exc}; its "
+                          f"signature is {_signature(fn)}",
+                          hint="define it as def make(model, lr, weight_decay): returning a torch optimizer over "
+                               "model's parameters (groups of your own are fine)") from None
 
 

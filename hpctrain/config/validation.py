@@ -107,16 +107,23 @@ def _check_train(cfg, cuda):
     check_choice("comm.backend", c.backend, schema.BACKENDS)
     check_choice("comm.compression", c.compression, schema.COMPRESSIONS)
     _positive("comm.gradient_predivide_factor", c.gradient_predivide_factor)
-    check_choice("train.optimizer", t.optimizer, schema.OPTIMIZERS)
+    if ":" not in t.optimizer:  # an import path is checked with the rest of the user's code
+        check_choice("train.optimizer", t.optimizer, schema.OPTIMIZERS)
+    elif t.weight_decay_on != "all":
+        raise ConfigError(f"train.weight_decay_on = {t.weight_decay_on!r} is for the built-in optimizers; "
+                          f"train.optimizer = {t.optimizer!r} makes its own parameter groups",
+                          hint="leave train.weight_decay_on unset, or group the parameters in your function")
+    check_choice("train.weight_decay_on", t.weight_decay_on, schema.DECAY_GROUPS)
+    _check_schedule(t)
     check_choice("train.lr_scaling", t.lr_scaling, schema.LR_SCALINGS)
     check_choice("train.precision", t.precision, schema.PRECISIONS)
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision = \"fp16\" needs a GPU (a GradScaler on CUDA); this rank has none",
                           hint='use train.precision = "bf16" (mixed precision on CPU) or "fp32"')
-    for name in ("batch_size", "accumulation", "epochs"):
+    for name in ("batch_size", "accumulation"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.lr", t.lr)
-    for name in ("max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
+    for name in ("epochs", "max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
                  "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks"):
         _positive(f"train.{name}", getattr(t, name), zero_ok=True)
     check_choice("train.on_nonfinite", t.on_nonfinite, schema.ON_NONFINITE)
@@ -124,6 +131,26 @@ def _check_train(cfg, cuda):
         raise ConfigError(f"train.rollback_lr_factor = {t.rollback_lr_factor!r} must be in (0, 1] (the learning "
                           f"rate is multiplied by it at each rollback)",
                           hint="e.g. train.rollback_lr_factor=0.5 (halve it), or 1 to keep it unchanged")
+
+
+def _check_schedule(t):
+    check_choice("train.lr_schedule", t.lr_schedule, schema.LR_SCHEDULES)
+    _positive("train.lr_decay_steps", t.lr_decay_steps, zero_ok=True)
+    if not 0 <= t.lr_min_ratio <= 1:
+        raise ConfigError(f"train.lr_min_ratio = {t.lr_min_ratio!r} must be in [0, 1] (the floor as a fraction "
+                          f"of train.lr)", hint="e.g. train.lr_min_ratio=0.1")
+    if t.lr_schedule == "step":
+        if t.lr_step_every < 1:
+            raise ConfigError(f"train.lr_schedule = \"step\" needs train.lr_step_every > 0 (now "
+                              f"{t.lr_step_every}): the steps between two decays",
+                              hint="e.g. train.lr_step_every=1000 train.lr_step_gamma=0.1")
+        if not 0 < t.lr_step_gamma <= 1:
+            raise ConfigError(f"train.lr_step_gamma = {t.lr_step_gamma!r} must be in (0, 1]",
+                              hint="e.g. train.lr_step_gamma=0.1 (a tenth at each decay)")
+    if t.lr_decay_steps and t.lr_decay_steps <= t.warmup_steps and t.lr_schedule in ("cosine", "linear"):
+        raise ConfigError(f"train.lr_decay_steps = {t.lr_decay_steps} ends within the warm-up "
+                          f"(train.warmup_steps = {t.warmup_steps})",
+                          hint="set train.lr_decay_steps above train.warmup_steps, or 0 for the run's step budget")
 
 
 def _check_model(m):
@@ -136,17 +163,53 @@ def _check_model(m):
 
 def _check_data(cfg, need_data):
     d = cfg.data
+    check_choice("data.kind", d.kind, schema.DATA_KINDS)
     check_choice("data.generate", d.generate, schema.GENERATORS)
     if need_data and not d.path and not d.factory:
         raise ConfigError("data.path is not set: no training data",
-                          hint='set data.path = "data/digits.h5" (with data.generate = "digits" to create it), '
-                               'or data.factory = "package.module:function" for your own data')
+                          hint='set data.path = "data/train.bin" (the training token file) with data.kind = "tokens"'
+                          if d.kind == "tokens" else
+                          'set data.path = "data/digits.h5" (with data.generate = "digits" to create it), '
+                          'or data.factory = "package.module:function" for your own data')
     if d.generate == "digits" and (cfg.model.in_features, cfg.model.num_classes) != (64, 10):
         raise ConfigError(f"data.generate = \"digits\" makes 64 features and 10 classes, but model.in_features = "
                           f"{cfg.model.in_features} and model.num_classes = {cfg.model.num_classes}",
                           hint="set model.in_features = 64 and model.num_classes = 10")
     _positive("data.samples", d.samples)
     _positive("data.val_samples", d.val_samples, zero_ok=True)
+    _check_tokens(d)
+
+
+# the [data] keys that only kind "tokens" reads, with their defaults
+_TOKEN_KEYS = (("block_size", 0), ("stride", 0), ("dtype", "uint16"), ("val_path", None),
+               ("token_dataset", "tokens"))
+
+
+def _check_tokens(d):
+    """The keys of a token stream (``data.kind = "tokens"``, docs/data.md)."""
+    check_choice("data.dtype", d.dtype, schema.TOKEN_DTYPES)
+    _positive("data.stride", d.stride, zero_ok=True)  # 0: block_size
+    if d.kind != "tokens":
+        for name, default in _TOKEN_KEYS:
+            if getattr(d, name) != default:
+                raise ConfigError(f"data.{name} = {getattr(d, name)!r} is only used with data.kind = \"tokens\", "
+                                  f"but data.kind = {d.kind!r}", hint=f"set data.kind=tokens, or remove data.{name}")
+        return
+    if not d.block_size:
+        raise ConfigError("data.kind = \"tokens\" needs data.block_size (tokens per sample), which is not set",
+                          hint="set data.block_size to the model's context length, e.g. data.block_size=256")
+    _positive("data.block_size", d.block_size)
+    for name, value in (("factory", d.factory), ("generate", d.generate if d.generate != "none" else "")):
+        if value:
+            raise ConfigError(f"data.{name} = {value!r} and data.kind = \"tokens\" do not go together: the "
+                              f"tokens are read from data.path", hint=f"remove data.{name}, or data.kind")
+    for name in ("path", "val_path"):
+        path = getattr(d, name)
+        if path is not None and os.path.splitext(path)[1].lower() not in schema.TOKEN_FORMATS:
+            raise ConfigError(f"data.{name} = {path!r} is not a token file this reads (by its suffix: "
+                              f"{', '.join(schema.TOKEN_FORMATS)})",
+                              hint="a raw token array (.bin, with data.dtype), a NumPy .npy array, or an HDF5 "
+                                   "file with a 1-D dataset data.token_dataset")
 
 
 def _check_monitor(m):
@@ -278,6 +341,11 @@ def _check_split(cfg):
     if not is_split(cfg):
         return
     why = "in a split run (parallel.stages x parallel.tensor > 1)"
+    if t.loss == schema.MODEL_LOSS:
+        raise ConfigError(f"train.loss = {t.loss!r} (the model computes its loss) needs the whole model on a rank, "
+                          f"not {why}: the last stage computes the loss there",
+                          hint='name the loss instead, e.g. train.loss = "cross_entropy" (per-token logits are '
+                               'fine), or run unsplit (parallel.stages = 1, parallel.tensor = 1)')
     if t.accumulation != 1:
         raise ConfigError(f"train.accumulation = {t.accumulation} is not used {why}: the pipeline's micro-batches "
                           f"accumulate the gradients", hint=f"set train.accumulation=1 and parallel.micro_batches="
@@ -316,6 +384,10 @@ def _check_shard(c, t):
     if t.clip_grad_norm < 0:
         raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
                           hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")
+    if c.shard != "none" and t.weight_decay_on != "all":
+        raise ConfigError(f"comm.shard = {c.shard!r} updates one parameter group; train.weight_decay_on = "
+                          f"{t.weight_decay_on!r} makes two",
+                          hint='use train.weight_decay_on = "all" with comm.shard, or comm.shard = "none"')
     if c.shard != "none" and t.precision == "fp16":
         raise ConfigError(f"comm.shard = {c.shard!r} does not support train.precision = \"fp16\" (its GradScaler "
                           f"steps the whole optimizer, not one rank's shard)",
@@ -324,3 +396,29 @@ def _check_shard(c, t):
         raise ConfigError(f"comm.shard = {c.shard!r} and comm.mode = {c.mode!r} do not go together: a sharded "
                           f"step reduce-scatters the gradients of that very step",
                           hint='set comm.mode = "sync" with comm.shard, or comm.shard = "none" with local_sgd/stale')
+
+
+def step_budget(t, steps_per_epoch, step=0, epoch=0, left_in_epoch=None):
+    """``(epochs or None, last step, what ends the run)`` for ``[train]`` ``t``: the first of ``train.epochs``
+    epochs and ``train.max_steps`` steps where both are set, one epoch where neither is; ``epochs`` is None
+    where ``max_steps`` alone is the budget (the epochs follow from it). A resumed run is at ``step``, in
+    ``epoch``, with ``left_in_epoch`` steps of it to go (steps per epoch change with the rank count).
+
+    >>> from hpctrain.config.schema import LoopConfig
+    >>> step_budget(LoopConfig(max_steps=50), 22)
+    (None, 50, 'train.max_steps = 50')
+    >>> step_budget(LoopConfig(epochs=2, max_steps=50), 22)
+    (2, 44, 'train.epochs = 2')
+    >>> step_budget(LoopConfig(epochs=2), 44, step=11, epoch=0, left_in_epoch=40)
+    (2, 95, 'train.epochs = 2')
+    """
+    left = steps_per_epoch if left_in_epoch is None else left_in_epoch
+
+    def after(epochs):
+        return step + (left + (epochs - epoch - 1) * steps_per_epoch if epoch < epochs else 0)
+
+    if not t.epochs and not t.max_steps:
+        return 1, after(1), "one epoch: neither train.epochs nor train.max_steps is set"
+    if t.max_steps and (not t.epochs or t.max_steps < after(t.epochs)):
+        return t.epochs or None, t.max_steps, f"train.max_steps = {t.max_steps}"
+    return t.epochs, after(t.epochs), f"train.epochs = {t.epochs}"

@@ -7,6 +7,7 @@ from ..config.usercode import call
 from ..errors import ConfigError, HpctrainError
 from ..runtime.coordination import all_or_none, on_root
 from .generated import generate
+from .tokens import open_token_splits
 
 
 class ArrayDataset:
@@ -59,6 +60,11 @@ class HDF5Dataset:
             except FileNotFoundError:
                 raise HpctrainError(f"data file {self.path} does not exist",
                                     hint="create it (examples/prepare_data.py), or set data.generate") from None
+            except OSError as exc:  # a directory, no permission, or not HDF5 at all
+                raise HpctrainError(f"data file {self.path} cannot be read as HDF5 ({exc})",
+                                    hint="data.path takes an HDF5 file with datasets x and y "
+                                         "(examples/prepare_data.py writes one); check the path and its "
+                                         "permissions") from None
         return self._file
 
     def __len__(self):
@@ -117,10 +123,13 @@ class _MapDataset:
 
 
 def open_splits(data_cfg):
-    """(train, val or None) :class:`HDF5Dataset` for a :class:`hpctrain.config.DataConfig`."""
+    """(train, val or None) :class:`HDF5Dataset` for a :class:`hpctrain.config.DataConfig`, or
+    :class:`~.tokens.TokenWindows` where ``data.kind = "tokens"``."""
     def name(group, key):
         return f"{group}/{key}" if group else key
 
+    if data_cfg.kind == "tokens":
+        return open_token_splits(data_cfg)
     train = HDF5Dataset(data_cfg.path, name(data_cfg.train, data_cfg.x), name(data_cfg.train, data_cfg.y))
     val = None
     if data_cfg.val and data_cfg.val != "none":

@@ -8,6 +8,7 @@ import os
 import time
 
 from .. import settings
+from ..errors import HpctrainError
 from . import runlock
 
 CONFIG_FILE = "config.toml"  # the resolved configuration
@@ -34,7 +35,9 @@ def checkpoint_dir(cfg, run_dir):
 def create(cfg, world, backend):
     """Create the run directory (rank 0) and write the resolved configuration into it."""
     path = cfg.run.run_dir or new_path(cfg)
-    os.makedirs(path, exist_ok=True)
+    _make(path, "run directory", "run.run_dir (or run.root, HPCTRAIN_RUN_ROOT)")
+    if cfg.checkpoint.directory:
+        _make(cfg.checkpoint.directory, "checkpoint directory", "checkpoint.directory")
     # A second job on either directory stops here, before overwriting anything; release(path) frees both.
     runlock.acquire(path, checkpoint_dir=cfg.checkpoint.directory)
     resolved = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=os.path.abspath(path)))
@@ -44,3 +47,12 @@ def create(cfg, world, backend):
                 f"# train.batch_size is per rank\n\n")
         f.write(resolved.to_toml())
     return os.path.abspath(path)
+
+
+def _make(path, what, setting):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # a part of the path is a file, no permission, a read-only file system
+        raise HpctrainError(f"cannot create the {what} {path}: {exc.strerror or exc}",
+                            hint=f"set {setting} to a directory you can write; every part of the path "
+                                 f"must be a directory") from None

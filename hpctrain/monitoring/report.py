@@ -66,6 +66,13 @@ def plot_loss(records):
     for i, r in enumerate(r for r in _kind(records, "restart") if r.get("failed_step") is not None):
         ax_loss.axvline(r["failed_step"], color="black", linestyle="--", linewidth=1,
                         label="failure, relaunched (hpctrain launch)" if i == 0 else None)
+    rates = [r for r in train if isinstance(r.get("lr"), (int, float))]
+    if len({r["lr"] for r in rates}) > 1:  # a schedule or a warm-up: the learning rate on its own axis
+        ax_lr = ax_loss.twinx()
+        ax_lr.plot([r["step"] for r in rates], [r["lr"] for r in rates], color="gray", linewidth=1,
+                   label="learning rate")
+        ax_lr.set_ylabel("learning rate")
+        ax_lr.legend(loc="upper center")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     positive = [r["loss"] for r in train if r["loss"] > 0] + [r["val_loss"] for r in losses if r["val_loss"] > 0]
     if positive and max(positive) / min(positive) > 100:

@@ -17,11 +17,19 @@ order (exact: no mean of means), and reported as ``val_<name> = sum / count``:
 """
 import math
 
+from ..errors import HpctrainError
 
-def score_batch(output, target, loss_fn, metrics_fn=None):
-    """``{name: (sum, count)}`` of one batch (output in fp32)."""
+
+def score_batch(output, target, loss_fn, metrics_fn=None, loss=None):
+    """``{name: (sum, count)}`` of one batch (output in fp32): its ``loss`` where the model computed it
+    (``output`` may then be None), else ``loss_fn``'s."""
     n = len(target)
-    scores = {"loss": (float(loss_fn(output, target)) * n, n)}
+    scores = {"loss": (float(loss if loss is not None else loss_fn(output, target)) * n, n)}
+    if output is None:
+        if metrics_fn is not None:
+            raise HpctrainError("train.metrics needs the model's output, but model(x, y) returned only its loss",
+                                hint="return (output, loss) or an object with .logits, or leave train.metrics unset")
+        return scores
     if not target.dtype.is_floating_point:
         if output.dim() == 2 and target.dim() == 1:
             scores["accuracy"] = (float((output.argmax(dim=1) == target).sum()), n)

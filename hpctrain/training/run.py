@@ -23,6 +23,8 @@ class Run:
     loss_fn: Any
     base_lr: float
     metrics_fn: Any = None  # train.metrics: (output, target) -> {name: (sum, count)}
+    budget: tuple = (1, 0, "")  # (epochs or None, steps, what ends the run): config.step_budget
+    decay_steps: int = 0  # where train.lr_schedule reaches its floor (setup._decay_steps)
     last_loss: Optional[float] = None  # this rank's, of the last step
     skips: int = 0  # consecutive steps whose non-finite gradients were not applied
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation

@@ -7,7 +7,7 @@ the order every rank follows (each collective one is entered by every rank, or f
 import os
 
 from ..checkpoint import CheckpointManager
-from ..config import is_split, validate
+from ..config import is_split, step_budget, validate
 from ..data import ShardSampler, open_datasets
 from ..errors import ConfigError
 from ..job import rundir, runlock
@@ -23,6 +23,8 @@ from . import comm_modes
 from .losses import build_loss, build_metrics
 from .optimizers import make_optimizer
 from .run import Run
+
+LR_DECAY = "lr_decay_steps"  # in Progress.extra: [the step where the schedule ends, the settings it came from]
 from .split import SplitSteps
 from .steps import DataParallelSteps, ShardedSteps
 
@@ -58,10 +60,14 @@ def set_up(trainer, local):
             sampler.seed = state.progress.seed  # the data order of the run being resumed
         steps.broadcast(state)
         state.comm_mode.start(state)
-    callbacks = _callbacks(trainer.callbacks, cfg, steps, run_dir, sampler)
+    p = state.progress
+    budget = step_budget(t, sampler.steps_per_epoch, p.step, p.epoch,
+                         max(0, sampler.num_samples - p.samples_in_epoch) // sampler.global_batch)
+    callbacks = _callbacks(trainer.callbacks, cfg, steps, run_dir, sampler, total_steps=budget[1])
     run = Run(world, cfg, steps, run_dir, train, val, sampler, state, checkpoints, callbacks,
               PhaseTimer(sync=torch.cuda.synchronize if world.device.startswith("cuda") else None), watchdog,
-              loss_fn, base_lr, metrics_fn=build_metrics(t.metrics))
+              loss_fn, base_lr, metrics_fn=build_metrics(t.metrics), budget=budget,
+              decay_steps=_decay_steps(t, budget, state.progress))
     _say_first_lines(run)
     model.train()
     return run
@@ -108,11 +114,20 @@ def _state(cfg, steps, model, base_lr):
     return TrainState(model, optimizer, Progress(seed=cfg.run.seed), scaler, comm_mode=mode)
 
 
-def _callbacks(given, cfg, steps, run_dir, sampler):
-    t = cfg.train
-    total_steps = sampler.steps_per_epoch * t.epochs
-    if t.max_steps:
-        total_steps = min(total_steps, t.max_steps)
+def _decay_steps(t, budget, progress):
+    """The step where ``train.lr_schedule`` reaches its floor: ``train.lr_decay_steps``, else the step budget as
+    the run first had it. Kept in the checkpoints, so that a relaunch on other ranks (other steps per epoch)
+    decays the same; recomputed where the settings it came from changed."""
+    if t.lr_schedule not in ("cosine", "linear"):
+        return 0
+    settings = [t.lr_decay_steps, t.max_steps, t.epochs]
+    saved = progress.extra.get(LR_DECAY)
+    if saved is None or saved[1] != settings:
+        progress.extra[LR_DECAY] = saved = [t.lr_decay_steps or budget[1], settings]
+    return saved[0]
+
+
+def _callbacks(given, cfg, steps, run_dir, sampler, total_steps):
     if cfg.monitor.horovod_timeline:
         steps.backend.start_timeline(os.path.join(run_dir, "horovod_timeline.json"))
     callbacks = list(given)
@@ -130,7 +145,13 @@ def _say_first_lines(run):
     run.log(f"{world.size} ranks ({world.launcher}), {steps.backend.describe()}, {run.state.comm_mode.describe()}; "
             f"{steps.holds} {params:,} parameters in {tensors} tensors; "
             f"global batch {sampler.global_batch} = {t.batch_size} x {sampler.ranks} {steps.data_ranks_are} x "
-            f"{t.accumulation}; {sampler.steps_per_epoch} steps/epoch; run dir {run.run_dir}")
+            f"{t.accumulation}; {sampler.steps_per_epoch} steps/epoch; until step {run.budget[1]} ({run.budget[2]}); "
+            f"run dir {run.run_dir}")
+    if t.lr_schedule != "constant":
+        ends = f"x {t.lr_step_gamma:g} every {t.lr_step_every} steps" if t.lr_schedule == "step" else \
+            f"to {run.base_lr * t.lr_min_ratio:.3g} at step {run.decay_steps}"
+        run.log(f"learning rate: warm-up over {t.warmup_steps} steps to {run.base_lr:.3g}, then {t.lr_schedule} "
+                f"{ends}")
     run.log(allocator.tune())  # what hpctrain set for the user (docs/performance.md)
     if mpi_settings():
         run.log(mpi_settings())

@@ -25,6 +25,7 @@ from ..job.watchdog import watching
 from ..models import build_model
 from ..runtime.coordination import all_or_none
 from . import evaluation, nonfinite
+from .losses import forward
 
 
 def seed_step(seed, step, rank):
@@ -48,6 +49,7 @@ class DataParallelSteps:
 
     holds = "model"  # what a rank's parameters are, in the run's first line
     data_ranks_are = "ranks"
+    _model_loss_seen = False  # train.loss = "model": the first call is checked on every rank
 
     def __init__(self, cfg, world):
         c = cfg.comm
@@ -71,8 +73,9 @@ class DataParallelSteps:
         return model
 
     def wrap_optimizer(self, make, model, mode):
-        """The optimizer to step: ``make()``'s, as ``comm.mode`` has it wrapped."""
-        return mode.wrap_optimizer(make(), model, self.cfg.train.accumulation)
+        """The optimizer to step: ``make()``'s (a user's function failing on any rank fails on all), as
+        ``comm.mode`` has it wrapped."""
+        return mode.wrap_optimizer(all_or_none(make, self.world.comm), model, self.cfg.train.accumulation)
 
     def broadcast(self, state):
         """Rank 0's weights and optimizer state win (after a resume, or a fresh start)."""
@@ -98,7 +101,14 @@ class DataParallelSteps:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with run.timer.phase("forward_backward"):
             with autocast(run.cfg.train.precision, device):
-                loss = run.loss_fn(run.state.model(x), y)
+                if run.loss_fn is None and not self._model_loss_seen:
+                    # the first call of a model that computes its loss: what it returns fails alike on all ranks
+                    self._model_loss_seen = True
+                    out, loss = all_or_none(lambda: forward(run.state.model, x, y, None), self.world.comm)
+                else:
+                    out, loss = forward(run.state.model, x, y, run.loss_fn)
+                if loss is None:
+                    loss = run.loss_fn(out, y)
             # Dividing by the micro-batch count makes the summed gradient a mean.
             scaled = loss / count
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -141,8 +151,9 @@ class DataParallelSteps:
                 x, y = run.val.read(indices[lo:lo + batch_size])
                 x, y = x.to(world.device), y.to(world.device)
                 with autocast(t.precision, world.device):
-                    out = model(x)
-                evaluation.add(totals, evaluation.score_batch(out.float(), y, run.loss_fn, run.metrics_fn))
+                    out, loss = forward(model, x, y, run.loss_fn)
+                out = None if out is None else out.float()
+                evaluation.add(totals, evaluation.score_batch(out, y, run.loss_fn, run.metrics_fn, loss=loss))
         model.train()
         return totals
 

@@ -29,7 +29,7 @@ from ..job.watchdog import watching
 from ..runtime.coordination import any_rank
 from . import nonfinite
 from .evaluation import evaluate
-from .optimizers import set_lr
+from .optimizers import learning_rate, set_lr
 from .run import EPOCH_END, MAX_STEPS, ROLLED_BACK, STOP_REQUESTED
 from .setup import set_up
 from .steps import seed_step
@@ -89,7 +89,8 @@ class Trainer:
         with contextlib.ExitStack() as local:
             run = self.run = set_up(self, local)
             why = EPOCH_END
-            while why in (EPOCH_END, ROLLED_BACK) and run.state.progress.epoch < run.cfg.train.epochs:
+            epochs = run.budget[0]  # None: train.max_steps alone ends the run
+            while why in (EPOCH_END, ROLLED_BACK) and (epochs is None or run.state.progress.epoch < epochs):
                 why = self._train_epoch(run)  # after a rollback: again from where it went back to
                 if why == EPOCH_END:
                     _end_epoch(run)
@@ -159,8 +160,8 @@ def _step(run, micro_batches):
     """One step, then its due evaluation and checkpoint, and the callbacks; ROLLED_BACK if it rolled back."""
     t, progress, timer = run.cfg.train, run.state.progress, run.timer
     timer.start_step()
-    lr = set_lr(run.state.optimizer, run.base_lr * progress.extra.get(nonfinite.LR_FACTOR, 1.0), t.warmup_steps,
-                progress.step)
+    base = run.base_lr * progress.extra.get(nonfinite.LR_FACTOR, 1.0)  # lowered by non-finite rollbacks
+    lr = set_lr(run.state.optimizer, learning_rate(t, base, progress.step, run.decay_steps))
     with run.watchdog.step(progress.step + 1):
         run.last_loss, bad = _train_step(run, micro_batches)
     if bad is None:
