@@ -76,7 +76,7 @@ class Block(nn.Module):
 
 
 class ByteGPT(nn.Module):
-    """Bytes ``(B, T)`` in, next-byte logits ``(B, T, 256)`` out."""
+    """Bytes ``(B, T)`` in, next-byte logits ``(B, T, 256)`` out (and the loss, given the targets)."""
 
     def __init__(self, block=64, width=128, layers=4, heads=4, dropout=0.0):
         super().__init__()
@@ -90,10 +90,14 @@ class ByteGPT(nn.Module):
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith("proj.weight") else 1))
 
-    def forward(self, x):
+    def forward(self, x, targets=None):
+        """The logits; with ``targets`` (``train.loss = "model"``) also the mean next-byte loss, as nanoGPT."""
         positions = torch.arange(x.shape[1], device=x.device)
         h = self.blocks(self.token(x) + self.position(positions))
-        return self.head(self.norm(h))
+        logits = self.head(self.norm(h))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def gpt(block=64, width=128, layers=4, heads=4, dropout=0.0):
@@ -158,8 +162,30 @@ def corpus(path="runs/data/stdlib-bytes.h5", block=64, max_bytes=4_000_000, val_
     return ByteBlocks(data[:cut], block), ByteBlocks(data[cut:], block)
 
 
+def prepare_tokens(directory="runs/data/stdlib-tokens", max_bytes=4_000_000, val_fraction=0.02):
+    """``train.bin`` and ``val.bin`` in ``directory``: the corpus's bytes as uint16 tokens, as nanoGPT's
+    prepare scripts write them (``data.kind = "tokens"`` reads them; examples/byte_gpt_tokens.toml)."""
+    from hpctrain.runtime.fsutil import replaced
+
+    data, _ = stdlib_bytes(max_bytes)
+    cut = int(len(data) * (1 - val_fraction))
+    os.makedirs(directory, exist_ok=True)
+    for name, part in (("train.bin", data[:cut]), ("val.bin", data[cut:])):
+        with replaced(os.path.join(directory, name)) as tmp:
+            part.astype(np.uint16).tofile(tmp)
+    return directory
+
+
 # ---------------------------------------------------------------- the metric
 def bits_per_byte(output, target):
     """``[train] metrics = "byte_gpt:bits_per_byte"``: summed over tokens, so exact over ranks."""
     nats = F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), reduction="sum")
     return {"bits_per_byte": (float(nats) / math.log(2), target.numel())}
+
+
+if __name__ == "__main__":  # python examples/byte_gpt.py prepare [DIRECTORY]
+    import sys
+
+    if sys.argv[1:2] != ["prepare"]:
+        sys.exit("usage: python examples/byte_gpt.py prepare [DIRECTORY]   (writes train.bin and val.bin)")
+    print(f"wrote train.bin and val.bin in {prepare_tokens(*sys.argv[2:3])}")

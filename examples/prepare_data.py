@@ -20,6 +20,15 @@ def main(names):
     names = names or sorted(p.stem for p in HERE.glob("*.toml"))
     for name in names:
         cfg = load_config(HERE / f"{name}.toml")
+        if cfg.data.factory:
+            print(f"{name}: its data factory {cfg.data.factory} makes the data on the first run")
+            continue
+        if cfg.data.kind == "tokens" and not os.path.exists(cfg.data.path):
+            print(f"{name}: token files are written by their own script: see the first lines of {name}.toml")
+            continue
+        if not cfg.data.path:
+            print(f"{name}: names no data file")
+            continue
         if os.path.exists(cfg.data.path):
             print(f"{name}: {cfg.data.path} exists")
             continue
