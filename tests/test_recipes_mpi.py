@@ -28,27 +28,33 @@ def learning_rates(run_dir):
 
 
 # ---------------------------------------------------------------- learning-rate schedules
-def test_a_cosine_schedule_resumes_and_relaunches_on_one_rank_with_every_steps_learning_rate(tmp_path):
-    # train.epochs = 2 is the budget: 256 samples / (8 x 2 ranks) = 16 steps an epoch, 32 steps; on one
-    # rank an epoch is 32 steps, yet the relaunch keeps the decay the run started with
+@pytest.mark.parametrize("ranks, stop_at", [(2, 11), (4, 5)])
+def test_a_cosine_schedule_resumes_and_relaunches_on_one_rank_with_every_steps_learning_rate(tmp_path, ranks,
+                                                                                            stop_at):
+    # train.epochs = 2 is the budget: 256 samples / (8 x ranks) steps an epoch; on one rank an epoch is
+    # 32 steps, yet the relaunch keeps the decay the run started with
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    mpirun(2, [SCHEDULE, whole, 0, "train.epochs=2"], timeout=TIMEOUT).check()
-    first = mpirun(2, [SCHEDULE, parts, 11, "train.epochs=2"], timeout=TIMEOUT).check()
+    per_epoch = 256 // (8 * ranks)
+    mpirun(ranks, [SCHEDULE, whole, 0, "train.epochs=2"], timeout=TIMEOUT).check()
+    first = mpirun(ranks, [SCHEDULE, parts, stop_at, "train.epochs=2"], timeout=TIMEOUT).check()
     second = mpirun(1, [SCHEDULE, parts, 0, "train.epochs=2"], timeout=TIMEOUT).check()
-    said = "learning rate: warm-up over 4 steps to 0.2, then cosine to 0.02 at step 32"
+    said = f"learning rate: warm-up over 4 steps to 0.2, then cosine to 0.02 at step {2 * per_epoch}"
     assert said in first.stdout and said in second.stdout, first.stdout + second.stdout
     assert "resumed from" in second.output, second.output[-3000:]
 
-    # on one rank: 10 steps left of epoch 0 (80 of its 256 samples), then 32 of epoch 1
-    assert "until step 53 (train.epochs = 2)" in second.stdout, second.stdout
+    # on one rank: what is left of the epoch the stop was in, at 8 samples a step, then whole epochs of 32
+    epoch, done = divmod(stop_at, per_epoch)
+    last = stop_at + (256 - done * 8 * ranks) // 8 + (1 - epoch) * 32
+    assert f"until step {last} (train.epochs = 2)" in second.stdout, second.stdout
     expected, got = learning_rates(whole), learning_rates(parts)
-    assert sorted(expected) == list(range(1, 33)) and sorted(got) == list(range(1, 54)), sorted(got)
+    assert sorted(expected) == list(range(1, 2 * per_epoch + 1)) and sorted(got) == list(range(1, last + 1))
     for step, lr in expected.items():
         assert got[step] == lr, (step, got[step], lr)  # the same float, not a close one
     assert [expected[s] for s in (1, 4)] == [0.05, 0.2]
-    assert expected[32] == pytest.approx(0.02 + 0.18 * 0.5 * (1 + np.cos(np.pi * 27 / 28)))
-    assert all(got[s] == pytest.approx(0.02) for s in range(33, 54))  # past the decay: the floor
-    assert all(a > b for a, b in zip([expected[s] for s in range(5, 33)], [expected[s] for s in range(6, 33)]))
+    n = 2 * per_epoch
+    assert expected[n] == pytest.approx(0.02 + 0.18 * 0.5 * (1 + np.cos(np.pi * (n - 5) / (n - 4))))
+    assert all(got[s] == pytest.approx(0.02) for s in range(n + 1, last + 1))  # past the decay: the floor
+    assert all(expected[s] > expected[s + 1] for s in range(5, n))
 
 
 def test_a_rollback_continues_the_schedule_from_the_step_it_went_back_to(tmp_path):
