@@ -23,10 +23,10 @@ from . import comm_modes
 from .losses import build_loss, build_metrics
 from .optimizers import make_optimizer
 from .run import Run
-
-LR_DECAY = "lr_decay_steps"  # in Progress.extra: [the step where the schedule ends, the settings it came from]
 from .split import SplitSteps
 from .steps import DataParallelSteps, ShardedSteps
+
+LR_DECAY = "lr_decay_steps"  # in Progress.extra: [the step where the schedule ends, the settings it came from]
 
 
 def set_up(trainer, local):
