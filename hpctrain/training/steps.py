@@ -75,7 +75,9 @@ class DataParallelSteps:
     def wrap_optimizer(self, make, model, mode):
         """The optimizer to step: ``make()``'s (a user's function failing on any rank fails on all), as
         ``comm.mode`` has it wrapped."""
-        return mode.wrap_optimizer(all_or_none(make, self.world.comm), model, self.cfg.train.accumulation)
+        users = ":" in self.cfg.train.optimizer
+        optimizer = all_or_none(make, self.world.comm) if users else make()
+        return mode.wrap_optimizer(optimizer, model, self.cfg.train.accumulation)
 
     def broadcast(self, state):
         """Rank 0's weights and optimizer state win (after a resume, or a fresh start)."""
