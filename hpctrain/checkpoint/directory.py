@@ -20,8 +20,11 @@ def write_latest(directory, name):
 
 def read_latest(directory):
     """The checkpoint name ``latest`` holds, or None: no ``latest``, or it names no file of this directory."""
-    name = _pointer(directory)
-    return name if name is not None and fmt.parse_step(name) is not None else None
+    return _checkpoint_name(_pointer(directory))
+
+
+def _checkpoint_name(pointer):
+    return pointer if pointer is not None and fmt.parse_step(pointer) is not None else None
 
 
 def _pointer(directory):
@@ -78,7 +81,8 @@ def candidates(directory):
     """Checkpoints of the current branch, newest first. ``latest`` is not trusted over the directory: a save
     whose ``latest`` update failed left a newer complete file, and abandoned branches were moved aside."""
     found = scan(directory)
-    latest, pointer = read_latest(directory), _pointer(directory)
+    pointer = _pointer(directory)  # read once: what it holds, then whether that is a checkpoint name
+    latest = _checkpoint_name(pointer)
     if pointer is not None and latest is None:
         # Only a ckpt-<step>.h5 beside it counts: never a path that leads out of the directory.
         log.warning("%s names %r, which is not a checkpoint file name of this directory (ckpt-<step>.h5): "
