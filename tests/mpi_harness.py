@@ -7,7 +7,8 @@ here (and in the job scripts), never in library code.
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +45,7 @@ class Result:
     stdout: str
     stderr: str
     args: list
+    ranks: list = field(default_factory=list)  # each rank's own stdout + stderr, when asked for
 
     @property
     def output(self):
@@ -56,20 +58,33 @@ class Result:
         return self
 
 
-def mpirun(n, args, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, check=False):
+def mpirun(n, args, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, check=False, per_rank=False):
     """Run ``mpirun -n N <args>``; ``args`` starting with a ``.py`` path or ``-m`` run under
-    this interpreter. Kills the whole launch on timeout and fails the test."""
+    this interpreter. Kills the whole launch on timeout and fails the test.
+
+    ``per_rank``: also keep each rank's output apart (``Result.ranks``). mpirun's own streams
+    interleave the ranks' writes mid-line, so a message counted "on every rank" is counted there."""
     if args and (str(args[0]).endswith(".py") or args[0] == "-m" or args[0] == "-c"):
         args = [PYTHON] + list(args)
-    cmd = ["mpirun", "-n", str(n), "--timeout", str(timeout)] + [str(a) for a in args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30,
-                              env=mpi_env(env), cwd=cwd or ROOT)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout + 30}s:\n"
-                             f"{(exc.stdout or b'')[-4000:]}\n{(exc.stderr or b'')[-4000:]}")
-    result = Result(proc.returncode, proc.stdout, proc.stderr, cmd)
+    with tempfile.TemporaryDirectory(prefix="hpctrain-ranks-") as apart:
+        keep = ["--output-filename", apart] if per_rank else []
+        cmd = ["mpirun", "-n", str(n), "--timeout", str(timeout)] + keep + [str(a) for a in args]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30,
+                                  env=mpi_env(env), cwd=cwd or ROOT)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout + 30}s:\n"
+                                 f"{(exc.stdout or b'')[-4000:]}\n{(exc.stderr or b'')[-4000:]}")
+        ranks = [_rank_output(Path(apart), r) for r in range(n)] if per_rank else []
+    result = Result(proc.returncode, proc.stdout, proc.stderr, cmd, ranks)
     return result.check() if check else result
+
+
+def _rank_output(folder, rank):
+    """What one rank wrote, as Open MPI keeps it under ``--output-filename`` (job 1)."""
+    own = folder / "1" / f"rank.{rank}"
+    return "".join((own / name).read_text(errors="replace") for name in ("stdout", "stderr")
+                   if (own / name).exists())
 
 
 def hpctrain(n, *args, **kwargs):
