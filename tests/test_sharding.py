@@ -70,8 +70,7 @@ def test_unsupported_optimizer_shapes_are_refused_before_any_collective():
 
     model = torch.nn.Linear(3, 2)
     groups = [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.0}]
-    with pytest.raises(ConfigError, match="one parameter group"):
-        check_supported(torch.optim.SGD(groups, lr=0.1), model)
+    check_supported(torch.optim.SGD(groups, lr=0.1), model)  # groups are sharded group by group
     with pytest.raises(ConfigError, match="supports SGD, Adam and AdamW"):
         check_supported(torch.optim.Adagrad(model.parameters()), model)
     half = torch.nn.Linear(3, 2).to(torch.bfloat16)
@@ -143,6 +142,39 @@ def test_one_rank_sharded_steps_equal_plain_torch_also_when_the_model_is_trained
             for a, b in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients"])
+def test_one_rank_sharded_parameter_groups_keep_their_own_settings(stage):
+    import torch
+
+    from hpctrain.training.optimizers import decay_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    ref.load_state_dict(model.state_dict())
+
+    def groups(m):  # decayed matrices; undecayed 1-D tensors at a third of the learning rate
+        decay, plain = decay_groups(m, 0.5)
+        return [decay, dict(plain, lr=0.1 / 3)]
+
+    opt = ShardedOptimizer(torch.optim.AdamW(groups(model), lr=0.1), model, OneRank(), stage)
+    plain = torch.optim.AdamW(groups(ref), lr=0.1)
+    assert [len(g) for g in opt.group_names()] == [2, 4]
+    assert [(g["weight_decay"], g["lr"]) for g in opt.param_groups] == [(0.5, 0.1), (0.0, 0.1 / 3)]
+    for _ in range(3):
+        x = torch.randn(5, 3)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        opt.synchronize()
+        opt.step()
+        plain.step()
+        opt.zero_grad()
+        plain.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(model[1].bias, torch.zeros(4))  # the norm's parameters were updated too
 
 
 def test_gradient_buckets_cover_the_flat_buffer_from_its_end():

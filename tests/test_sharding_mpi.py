@@ -3,6 +3,7 @@ backends, SGD with momentum and AdamW, accumulation, clipping, bf16, fp16 on the
 checkpoints of sharded runs are ordinary files that resume on other rank counts with or
 without sharding; a rank killed during a sharded save leaves `latest` valid; bad settings
 fail on every rank."""
+import json
 import re
 
 import h5py
@@ -35,7 +36,8 @@ def test_sharded_equals_replicated_on_4_ranks(tmp_path, backend):
     same = re.findall(r"^SAME (.+) max\|diff\|", result.stdout, re.M)
     modes = ["optimizer", "gradients", "optimizer reduce_scatter", "gradients reduce_scatter"]
     assert same == [f"{o} {m}" for o in ("sgd", "adamw") for m in modes] + [
-        "adamw bf16 gradients", "adamw fp16-wire gradients", "adamw fp16-wire reduce_scatter gradients"], \
+        "adamw bf16 gradients", "adamw fp16-wire gradients", "adamw fp16-wire reduce_scatter gradients"] + [
+        f"{o} {m}" for o in ("adamw-matrices", "grouped") for m in ("optimizer", "gradients reduce_scatter")], \
         result.stdout[-3000:]
     assert "EQUIVALENCE OK" in result.stdout
 
@@ -116,6 +118,48 @@ def test_sharded_checkpoints_resume_on_any_rank_count_with_or_without_sharding(t
     assert sorted(f"model/{k}" for k in exported) == sorted(k for k in tu if k.startswith("model/"))
     for key, tensor in exported.items():
         np.testing.assert_array_equal(tensor.numpy(), tu[f"model/{key}"])
+
+
+def test_parameter_groups_shard_checkpoint_and_resume_as_replicated_ones(tmp_path):
+    """Two groups (weights decayed, biases not) over 4 ranks: rank 3's slice holds the end of the
+    weights and the whole of the second group, the other ranks none of it. A resume on the same ranks is bit
+    for bit; the file is the replicated format (resaved replicated on 1 rank: the same bytes; resumed
+    replicated on 2 ranks: the same training)."""
+    groups = [*ADAMW, "train.weight_decay_on=matrices"]
+    u = tmp_path / "u"
+    mpirun(4, [TRAIN, u, "comm.shard=gradients", "checkpoint.every_steps=5", "checkpoint.keep_last=0", *groups],
+           timeout=TIMEOUT).check()
+    at5, at10 = u / "checkpoints" / "ckpt-00000005.h5", u / "checkpoints" / "ckpt-00000010.h5"
+    with h5py.File(at10, "r") as f:
+        saved = json.loads(f["optimizer"].attrs["param_groups"])
+        steps = {name: int(f["optimizer/state"][name]["step"][()]) for name in f["optimizer/state"]}
+    assert [(g["weight_decay"], g["params"]) for g in saved] == [
+        (0.05, ["1.weight", "3.weight", "5.weight"]), (0.0, ["1.bias", "3.bias", "5.bias"])], saved
+    assert set(steps.values()) == {10} and len(steps) == 6, steps  # every parameter's state, each group's step
+    a = tmp_path / "a"
+    mpirun(4, [TRAIN, a, "comm.shard=gradients", f"checkpoint.resume={at5}", *groups], timeout=TIMEOUT).check()
+    for pa, pu in zip(_params(a, 4), _params(u, 4)):
+        for x, y in zip(pa, pu):
+            np.testing.assert_array_equal(x, y)
+    assert _content(a / "checkpoints" / "ckpt-00000010.h5") == _content(at10)
+    mpirun(1, [RESAVE, at10, tmp_path / "one.h5", "none", "mpi", "train.weight_decay_on=matrices"],
+           timeout=TIMEOUT).check()
+    assert _content(tmp_path / "one.h5") == _content(at10)
+    b = tmp_path / "b"
+    mpirun(2, [TRAIN, b, "comm.backend=mpi", f"checkpoint.resume={at5}", *groups], timeout=TIMEOUT).check()
+    for x, y in zip(_params(b, 2)[0], _params(u, 4)[0]):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    # a replicated file of two groups read into 3 sharded ranks and saved again: the same bytes
+    replicated = b / "checkpoints" / "ckpt-00000010.h5"
+    mpirun(3, [RESAVE, replicated, tmp_path / "three.h5", "optimizer", "mpi", "train.weight_decay_on=matrices"],
+           timeout=TIMEOUT).check()
+    assert _content(tmp_path / "three.h5") == _content(replicated)
+    # the groups are part of what a resume checks: one group where the file has two is refused, with the fix
+    refused = mpirun(2, [TRAIN, tmp_path / "c", "comm.shard=optimizer", f"checkpoint.resume={at5}", *ADAMW],
+                     timeout=TIMEOUT)
+    assert refused.returncode != 0
+    assert "parameter groups differ from the checkpoint's (file: [3, 3] parameters per group, now: [6])" in \
+        refused.output, refused.output[-3000:]
 
 
 @pytest.mark.slow

@@ -28,24 +28,29 @@ def is_sharded(state):
 
 def _description(opt):
     """What :func:`.snapshot.optimizer_parts` gives for the replicated optimizer: groups with
-    parameter names, and per parameter its non-tensor state; plus the slice's state."""
+    parameter names, and per parameter its non-tensor state; plus, per group, its shard's state tensors."""
     inner = opt.optimizer
-    names = opt.param_names()
-    group = inner.state_dict()["param_groups"][0]
-    state = inner.state.get(opt.shard, {})
-    values = {k: v for k, v in state.items() if not hasattr(v, "detach")}
-    description = {"class": type(inner).__name__, "groups": [dict(group, params=names)],
-                   "values": {name: dict(values) for name in names} if state else {}}
-    tensors = {k: v for k, v in sorted(state.items()) if hasattr(v, "detach")}
+    groups, values, tensors = [], {}, []
+    for shard, group, names in zip(opt.shards, inner.state_dict()["param_groups"], opt.group_names()):
+        groups.append(dict(group, params=names))
+        state = inner.state.get(shard, {})
+        if state:
+            plain = {k: v for k, v in state.items() if not hasattr(v, "detach")}
+            values.update({name: dict(plain) for name in names})
+        tensors.append({k: v for k, v in sorted(state.items()) if hasattr(v, "detach")})
+    description = {"class": type(inner).__name__, "groups": groups, "values": values}
     return json.loads(fmt.to_json(description)), tensors
 
 
 def _optimizer_plans(opt, tensors, rank, copy):
-    """One :class:`~.plan.DatasetPlan` per parameter and state tensor: each rank its rows."""
+    """One :class:`~.plan.DatasetPlan` per parameter and state tensor: each rank its rows, from the state of
+    its shard of the parameter's group (``tensors[group]``)."""
     plans = []
-    for name, shape, pieces in opt.layout():
+    lo = opt.bounds[rank][0]
+    for (name, shape, pieces), g in zip(opt.layout(), opt.group_of):
         per_row = int(np.prod(shape[1:])) if shape else 1
-        for key, value in tensors.items():
+        shift = opt.parts[g][0] - lo  # where the group's shard starts in this rank's slice
+        for key, value in tensors[g].items():
             path = snapshot.optimizer_state_path(name, key)
             if value.dim() == 0:  # e.g. Adam's step: the same on every rank, written by one
                 owner = pieces[0][0] if pieces else 0
@@ -56,7 +61,8 @@ def _optimizer_plans(opt, tensors, rank, copy):
             mine, dtype = None, snapshot.dtype_name(value)
             for r, a, b, start in pieces:
                 if r == rank:
-                    part = value.detach()[start:start + (b - a) * per_row].view((b - a,) + tuple(shape[1:]))
+                    first = start - shift
+                    part = value.detach()[first:first + (b - a) * per_row].view((b - a,) + tuple(shape[1:]))
                     mine, dtype = snapshot.tensor_to_array(part, copy)
             stored = np.dtype(fmt.storage_dtype(dtype))
             plans.append(DatasetPlan(path, tuple(shape), stored, {fmt.DTYPE_ATTR: dtype},
@@ -106,7 +112,8 @@ def _state_keys(header):
 
 def _read_slice(header, opt, comm, parallel):
     """Read this rank's rows of every optimizer state dataset into flat slice tensors: ``(tensors, scalars,
-    checksums, errors, paths)``, checksums as in :func:`.plan.own_checksums`, indexed by sorted ``paths``."""
+    checksums, errors, paths)``, scalars by ``(group, key)``, checksums as in :func:`.plan.own_checksums`,
+    indexed by sorted ``paths``."""
     import torch
 
     rank = comm.Get_rank()
@@ -117,13 +124,13 @@ def _read_slice(header, opt, comm, parallel):
     tensors, scalars, sums, errors, f = {}, {}, [], [], None
     try:
         f = reader.open_for_read(header.path, comm, parallel) if parallel else _open_serial(header.path)
-        for name, shape, pieces in opt.layout():
+        for (name, shape, pieces), g in zip(opt.layout(), opt.group_of):
             per_row = int(np.prod(shape[1:])) if shape else 1
             for key, (dshape, dtype, tname, _) in sorted(keys.get(name, {}).items()):
                 path = snapshot.optimizer_state_path(name, key)
                 if dshape == ():
                     value = np.asarray(f[path][()])
-                    scalars.setdefault(key, (value, tname))
+                    scalars.setdefault((g, key), (value, tname))  # the group's first parameter's
                     owner = pieces[0][0] if pieces else 0
                     if rank == owner:
                         sums.append((index[path], 0, value.nbytes, fmt.crc32_bytes(value)))
@@ -167,21 +174,22 @@ def load(path, state, comm, parallel, restore_rng=True):
         h = reader.read_header(path)
         snapshot.check_model_against(state.model, h.datasets, path)
         saved = json.loads(h.group_attrs.get(fmt.OPTIMIZER, {}).get("param_groups", "[]"))
-        names = opt.param_names()
-        if len(saved) != 1 or saved[0].get("params") != names:
+        groups = opt.group_names()
+        if [g.get("params") for g in saved] != groups:
             raise CheckpointError(
                 f"{path}: the optimizer's parameter groups differ from the checkpoint's (file: "
-                f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: [{len(names)}])",
+                f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: {list(map(len, groups))})",
                 hint="build the optimizer with the same parameter groups as the run that saved it")
-        # A slice spans parameters: it can only be filled when every parameter has the same state.
+        # A group's shard spans parameters: it can only be filled when each of them has the same state.
         keys = _state_keys(h)
-        every = {key for per in keys.values() for key in per}
-        lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
-        if lacking:
-            raise CheckpointError(
-                f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of {', '.join(sorted(every))}, "
-                f"which other parameters have; a sharded run needs the same state for every parameter",
-                hint="resume this checkpoint with comm.shard=none")
+        for names in groups:
+            every = {key for name in names for key in keys.get(name, {})}
+            lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
+            if lacking:
+                raise CheckpointError(
+                    f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of "
+                    f"{', '.join(sorted(every))}, which other parameters of its group have; a sharded run needs "
+                    f"the same state for every parameter of a group", hint="resume this checkpoint with comm.shard=none")
         return h
 
     h = on_root(header, comm)
@@ -196,24 +204,30 @@ def load(path, state, comm, parallel, restore_rng=True):
     typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
 
     def apply():
-        import torch
-
-        group = dict(json.loads(h.group_attrs[fmt.OPTIMIZER]["param_groups"])[0], params=[0])
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])
-        slice_state = dict(tensors)
-        for key, (value, tname) in scalars.items():
-            slice_state[key] = snapshot.array_to_tensor(np.array(value), tname)
-        if slice_state:
-            first = opt.param_names()[0]
-            values = json.loads(h.group_attrs.get(f"{fmt.OPT_STATE}/{fmt.param_key(first)}", {}).get("values", "{}"))
-            slice_state.update(values)
-        slice_state = {k: (v.to(opt.flat.device) if isinstance(v, torch.Tensor) and v.dim() else v)
-                       for k, v in slice_state.items()}
+        lo = opt.bounds[comm.Get_rank()][0]
+        keys = _state_keys(h)
+        groups, per_group = [], {}
+        for g, (group, names, (a, b)) in enumerate(zip(json.loads(h.group_attrs[fmt.OPTIMIZER]["param_groups"]),
+                                                       opt.group_names(), opt.parts)):
+            group = dict(group, params=[g])
+            if isinstance(group.get("betas"), list):
+                group["betas"] = tuple(group["betas"])
+            groups.append(group)
+            own = {}  # the group's shard's state: its part of the slice's tensors, its first parameter's rest
+            for key in keys.get(names[0], {}) if names else ():
+                if (g, key) in scalars:
+                    value, tname = scalars[(g, key)]
+                    own[key] = snapshot.array_to_tensor(np.array(value), tname)
+                else:
+                    own[key] = tensors[key][a - lo:b - lo].to(opt.flat.device)
+            if own:
+                attrs = h.group_attrs.get(f"{fmt.OPT_STATE}/{fmt.param_key(names[0])}", {})
+                own.update(json.loads(attrs.get("values", "{}")))
+                per_group[g] = own
         view = SimpleNamespace(model=state.model, optimizer=None, progress=state.progress,
                                scaler=getattr(state, "scaler", None))
         snapshot.restore(view, typed, h.group_attrs, path)
-        opt.optimizer.load_state_dict({"state": {0: slice_state} if slice_state else {}, "param_groups": [group]})
+        opt.optimizer.load_state_dict({"state": per_group, "param_groups": groups})
         if restore_rng and comm.Get_rank() == 0:
             snapshot.restore_rng(arrays, h.group_attrs)
 

@@ -384,10 +384,6 @@ def _check_shard(c, t):
     if t.clip_grad_norm < 0:
         raise ConfigError(f"train.clip_grad_norm = {t.clip_grad_norm!r} must be >= 0",
                           hint="e.g. train.clip_grad_norm=1.0, or 0 for no clipping")
-    if c.shard != "none" and t.weight_decay_on != "all":
-        raise ConfigError(f"comm.shard = {c.shard!r} updates one parameter group; train.weight_decay_on = "
-                          f"{t.weight_decay_on!r} makes two",
-                          hint='use train.weight_decay_on = "all" with comm.shard, or comm.shard = "none"')
     if c.shard != "none" and t.precision == "fp16":
         raise ConfigError(f"comm.shard = {c.shard!r} does not support train.precision = \"fp16\" (its GradScaler "
                           f"steps the whole optimizer, not one rank's shard)",

@@ -8,6 +8,7 @@ tensors become views of it), cut into one contiguous slice per rank. A step:
     reduction: each rank gets the average of (at least) its slice         (``comm.shard_reduce``)
     global gradient norm / finiteness: one small all-reduce over the slices
     a real torch optimizer (SGD, Adam, AdamW) updates the slice: its state is 1/N of the whole
+        (one tensor per parameter group: the group's part of the slice, with the group's settings)
     all-gather: every rank's updated slice to every rank               (backend.allgather_flat)
 
 The reduction is a reduce-scatter after the backward passes (``"reduce_scatter"``: each rank receives only its
@@ -112,14 +113,11 @@ def check_supported(optimizer, model):
     """Raise :class:`ConfigError` for what sharding does not handle (the same on every rank)."""
     import torch
 
-    if len(optimizer.param_groups) != 1:
-        raise ConfigError(f"comm.shard needs an optimizer with one parameter group; this one has "
-                          f"{len(optimizer.param_groups)}", hint="use one group, or comm.shard=none")
     supported = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
     if type(optimizer) not in supported:
         raise ConfigError(f"comm.shard supports SGD, Adam and AdamW (elementwise updates), not "
                           f"{type(optimizer).__name__}", hint="use train.optimizer sgd, adam or adamw, or comm.shard=none")
-    params = optimizer.param_groups[0]["params"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.dim() == 0 for p in params):
         raise ConfigError("comm.shard does not handle 0-dimensional parameters (a slice boundary needs rows)",
                           hint="make them 1-element tensors (shape (1,)), or use comm.shard=none")
@@ -273,8 +271,8 @@ class ShardedOptimizer:
         self.backend, self.model, self.stage = backend, model, stage
         self.accumulation = max(1, int(accumulation))
         self.rank, self.size = backend.rank, backend.size
-        group = optimizer.param_groups[0]
-        self.params = list(group["params"])
+        groups = optimizer.param_groups
+        self.params = [p for group in groups for p in group["params"]]  # the flat buffer's order: group by group
         self.shapes = [tuple(p.shape) for p in self.params]
         self.bounds = shard_bounds(self.shapes, self.size)
         self.counts = [b - a for a, b in self.bounds]
@@ -286,11 +284,19 @@ class ShardedOptimizer:
                 view.copy_(p)
                 p.data = view
         lo, hi = self.bounds[self.rank]
-        self.shard = torch.nn.Parameter(self.flat[lo:hi])
+        # This rank's part of each group's range of the buffer (empty where the slice misses the group): one
+        # tensor per group, so that each keeps its own settings (weight decay, a learning-rate scale).
+        sizes = [sum(p.numel() for p in group["params"]) for group in groups]
+        self.parts = [(min(max(lo, a), hi), max(min(max(lo, a), hi), min(hi, a + n)))
+                      for a, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
+        self.shards = [torch.nn.Parameter(self.flat[a:b]) for a, b in self.parts]
         # The same class and settings (some group keys are not constructor arguments).
-        self.optimizer = type(optimizer)([self.shard], lr=group["lr"])
-        self.optimizer.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer = type(optimizer)([{"params": [s]} for s in self.shards], lr=groups[0]["lr"])
+        for inner, group in zip(self.optimizer.param_groups, groups):
+            inner.update({k: v for k, v in group.items() if k != "params"})
         self.optimizer.defaults = dict(optimizer.defaults)
+        self.group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
+        self.grad = None  # this rank's slice of the averaged gradients; each group's shard has a view of it
         self.reduction = resolve_reduction(reduction, self.flat.device)
         self.gradients = ShardGradients(self.params, self.offsets, (lo, hi), self.counts, backend, stage,
                                         self.reduction, self.accumulation, self.MAX_IN_FLIGHT)
@@ -306,8 +312,14 @@ class ShardedOptimizer:
         return self.optimizer.state
 
     def zero_grad(self, set_to_none=True):
-        self.shard.grad = None
+        self._set_grad(None)
         self.gradients.zero_grad()
+
+    def _set_grad(self, grad):
+        self.grad = grad
+        lo = self.bounds[self.rank][0]
+        for shard, (a, b) in zip(self.shards, self.parts):
+            shard.grad = None if grad is None else grad[a - lo:b - lo]
 
     # ---- one step
     def synchronize(self):
@@ -315,13 +327,13 @@ class ShardedOptimizer:
         import torch
 
         with torch.no_grad():
-            self.shard.grad = self.gradients.reduce()
+            self._set_grad(self.gradients.reduce())
 
     def grads_finite(self):
         """True on every rank if every averaged gradient is finite (one all-reduce of a flag)."""
         import torch
 
-        grad = self.shard.grad
+        grad = self.grad
         ok = grad is None or grad.numel() == 0 or bool(torch.isfinite(grad.pow(2).sum()))
         return self.backend.allreduce_mean(1.0 if ok else 0.0) == 1.0
 
@@ -332,7 +344,7 @@ class ShardedOptimizer:
         lo, hi = self.bounds[self.rank]
         # Always a (index, name) tuple: hvd.allgather_object names its collective after the type.
         found = (len(self.params), "")
-        grad = self.shard.grad
+        grad = self.grad
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
             a, b = max(lo, off), min(hi, off + p.numel())
             if grad is not None and b > a:
@@ -347,7 +359,7 @@ class ShardedOptimizer:
         """Clip as ``torch.nn.utils.clip_grad_norm_`` does on the whole; returns the global norm before."""
         import torch
 
-        grad = self.shard.grad
+        grad = self.grad
         local = float(grad.double().pow(2).sum()) if grad is not None and grad.numel() else 0.0
         total = math.sqrt(max(self.backend.allreduce_mean(local) * self.size, 0.0))
         if grad is not None:
@@ -373,6 +385,13 @@ class ShardedOptimizer:
         names = {id(p): n for n, p in self.model.named_parameters()}
         return [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
 
+    def group_names(self):
+        """The parameter names of each group, in the optimizer's order."""
+        groups = [[] for _ in self.shards]
+        for g, name in zip(self.group_of, self.param_names()):
+            groups[g].append(name)
+        return groups
+
     def layout(self):
         """``[(name, shape, pieces)]`` per parameter, pieces as :func:`pieces_of` gives them."""
         return [(name, shape, pieces_of(off, shape, self.bounds))
@@ -381,7 +400,7 @@ class ShardedOptimizer:
     def memory(self):
         """Bytes this rank holds of parameters, gradients and optimizer state (tensor accounting)."""
         grads = self.gradients.grad_flat.nbytes if self.gradients.grad_flat is not None else 0
-        if self.shard.grad is not None and self.shard.grad._base is None:  # not a view of grad_flat
-            grads += self.shard.grad.nbytes
+        if self.grad is not None and self.grad._base is None:  # not a view of grad_flat
+            grads += self.grad.nbytes
         state = sum(t.nbytes for s in self.optimizer.state.values() for t in s.values() if hasattr(t, "nbytes"))
         return {"parameters": self.flat.nbytes, "gradients": grads, "optimizer_state": state}

@@ -7,8 +7,10 @@ optimizer and gradients in one launch, and compare every rank's parameters and l
 Prints ``SAME <optimizer> <mode> max|diff| <d>`` per comparison on rank 0 and raises (every
 rank) when a sharded run's parameters differ from the replicated run's beyond float
 tolerance, or when the ranks of a sharded run do not hold identical parameters. Also runs
+parameter groups (decay groups; a user's optimizer whose biases have half the learning rate),
 fp16 gradient compression and bf16 autocast with sharding, against their replicated twins.
 """
+import os
 import sys
 
 import numpy as np
@@ -16,6 +18,8 @@ import torch
 
 from hpctrain import Trainer, load_config
 from train_tiny import synthetic  # the same data as the other tiny runs
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: userpkg
 
 STEPS = 20
 
@@ -74,6 +78,14 @@ def main(out, backend):
         reduce = ["comm.shard_reduce=reduce_scatter"] if "reduce_scatter" in name else []
         _, *got = train(out, backend, opts + ["comm.shard=gradients"] + reduce)
         compare(world, f"adamw {name} gradients", ref, got, rtol=tol, atol=tol)
+    groups = {"adamw-matrices": optimizers["adamw"] + ["train.weight_decay_on=matrices"],
+              "grouped": ["train.optimizer=userpkg.optim:grouped_adamw", "train.lr=0.01", "train.weight_decay=0.05"]}
+    for name, opts in groups.items():  # one tensor per group in each slice, some of them empty
+        world, *ref = train(out, backend, opts)
+        for mode in ("optimizer", "gradients reduce_scatter"):
+            shard, *reduce = mode.split()
+            _, *got = train(out, backend, opts + [f"comm.shard={shard}"] + [f"comm.shard_reduce={r}" for r in reduce])
+            compare(world, f"{name} {mode}", ref, got, rtol=1e-4, atol=1e-5)
     if world.rank == 0:
         print("EQUIVALENCE OK", flush=True)
 

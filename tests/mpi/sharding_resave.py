@@ -2,7 +2,10 @@
 this launch's rank count, and save it again at once: the file written must hold the same
 tensors, bit for bit, whatever rank counts and comm.shard modes wrote and read them.
 
-    mpirun -n 2 python tests/mpi/sharding_resave.py IN.h5 OUT.h5 none|optimizer|gradients [horovod|mpi]
+    mpirun -n 2 python tests/mpi/sharding_resave.py IN.h5 OUT.h5 none|optimizer|gradients [horovod|mpi] [key=value ...]
+
+The optimizer is AdamW, as the training run's; overrides such as train.weight_decay_on=matrices give it the
+training run's parameter groups.
 """
 import sys
 
@@ -17,10 +20,10 @@ from hpctrain.training.optimizers import make_optimizer
 from hpctrain.runtime.world import init_world
 
 
-def main(src, dst, shard, backend_name="horovod"):
+def main(src, dst, shard, backend_name="horovod", *overrides):
     world = init_world()
     cfg = load_config(None, ["model.in_features=8", "model.hidden=24", "model.depth=2", "model.num_classes=4",
-                             "train.optimizer=adamw"])
+                             "train.optimizer=adamw", *overrides])
     model = build_model(cfg.model)
     optimizer = make_optimizer(model, cfg.train, 0.01)
     if shard != "none":
