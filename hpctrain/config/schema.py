@@ -292,6 +292,12 @@ class TrainConfig:
         return "\n".join(lines)
 
 
+def is_import_path(value):
+    """True when a key's value names the user's code (``"package.module:function"``) rather than a built-in
+    choice (``train.optimizer``, ``train.loss``)."""
+    return ":" in value
+
+
 def section_names():
     return [f.name for f in dataclasses.fields(TrainConfig)]
 

@@ -28,7 +28,7 @@ import sys
 import traceback
 
 from ..errors import ConfigError
-from .schema import LOSSES, MODEL_LOSS
+from .schema import LOSSES, MODEL_LOSS, is_import_path
 
 
 # ---------------------------------------------------------------- import paths
@@ -131,14 +131,14 @@ def check_user_code(cfg, need_data=True):
                               f"nothing to pass them to",
                               hint=f'set {section}.factory = "package.module:function", or remove {section}.kwargs')
     if cfg.train.loss not in LOSSES + (MODEL_LOSS,):
-        if ":" not in cfg.train.loss:
+        if not is_import_path(cfg.train.loss):
             raise ConfigError(f"train.loss = {cfg.train.loss!r} is neither a built-in loss ({', '.join(LOSSES)}), "
                               f"{MODEL_LOSS!r} (the model computes it) nor an import path",
                               hint='e.g. train.loss = "mse", or "mypkg.losses:my_loss"')
         resolve(cfg.train.loss, "train.loss")
     if cfg.train.metrics:
         resolve(cfg.train.metrics, "train.metrics")
-    if ":" in cfg.train.optimizer:
+    if is_import_path(cfg.train.optimizer):
         _check_optimizer_function(cfg.train.optimizer)
 
 

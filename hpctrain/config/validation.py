@@ -107,7 +107,7 @@ def _check_train(cfg, cuda):
     check_choice("comm.backend", c.backend, schema.BACKENDS)
     check_choice("comm.compression", c.compression, schema.COMPRESSIONS)
     _positive("comm.gradient_predivide_factor", c.gradient_predivide_factor)
-    if ":" not in t.optimizer:  # an import path is checked with the rest of the user's code
+    if not schema.is_import_path(t.optimizer):  # an import path is checked with the rest of the user's code
         check_choice("train.optimizer", t.optimizer, schema.OPTIMIZERS)
     elif t.weight_decay_on != "all":
         raise ConfigError(f"train.weight_decay_on = {t.weight_decay_on!r} is for the built-in optimizers; "

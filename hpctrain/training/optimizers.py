@@ -2,6 +2,7 @@
 applies to (``train.weight_decay_on``), and the learning rate of each step (``train.lr_schedule``)."""
 import math
 
+from ..config.schema import is_import_path
 from ..config.usercode import OPTIMIZER_CALL, resolve
 from ..errors import ConfigError
 
@@ -10,7 +11,7 @@ def make_optimizer(model, t, lr):
     """The torch optimizer of ``[train]`` (``t``) over ``model``'s trainable parameters."""
     import torch
 
-    if ":" in t.optimizer:
+    if is_import_path(t.optimizer):
         return _users_optimizer(model, t, lr)
     params = decay_groups(model, t.weight_decay) if t.weight_decay_on == "matrices" else \
         [p for p in model.parameters() if p.requires_grad]

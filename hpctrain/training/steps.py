@@ -20,6 +20,7 @@ import contextlib
 import numpy as np
 
 from ..backends import get_backend
+from ..config.schema import is_import_path
 from ..data import eval_shard
 from ..job.watchdog import watching
 from ..models import build_model
@@ -75,7 +76,7 @@ class DataParallelSteps:
     def wrap_optimizer(self, make, model, mode):
         """The optimizer to step: ``make()``'s (a user's function failing on any rank fails on all), as
         ``comm.mode`` has it wrapped."""
-        users = ":" in self.cfg.train.optimizer
+        users = is_import_path(self.cfg.train.optimizer)
         optimizer = all_or_none(make, self.world.comm) if users else make()
         return mode.wrap_optimizer(optimizer, model, self.cfg.train.accumulation)
 
