@@ -29,6 +29,9 @@ def build_parser():
                         help="stop rather than relaunch on fewer ranks (default 1)")
     parser.add_argument("--shrink", action="store_true",
                         help="on one node, relaunch without a failed rank's slot (one rank fewer)")
+    parser.add_argument("--exclude", default="", metavar="NODES",
+                        help="inside a Slurm allocation, start without these nodes (comma-separated), as a "
+                             "relaunch leaves out a node that failed")
     parser.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
                         help="auto: srun inside a Slurm allocation, else mpirun")
     parser.add_argument("--launcher-args", "--mpirun-args", "--srun-args", dest="launcher_args", default="",

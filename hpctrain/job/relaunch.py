@@ -126,6 +126,11 @@ def make_plan(args, environ=None):
                               hint="e.g. hpctrain launch -n 4 CONFIG (inside an allocation srun's tasks decide)")
         ranks = args.n
         launcher = Mpirun(extra)
+    excluded = [h for h in getattr(args, "exclude", "").split(",") if h]
+    if excluded and not (use_srun and hosts and set(hosts) - set(excluded)):
+        raise ConfigError(f"--exclude {','.join(excluded)}: leaving nodes out needs srun in an allocation of "
+                          f"several nodes, with some left (nodes here: {', '.join(hosts or []) or 'one'})",
+                          hint="drop --exclude, or name nodes of this allocation")
     if shutil.which(launcher.name, path=env.get("PATH")) is None:
         raise ConfigError(f"{launcher.name} is not on PATH: cannot start the ranks",
                           hint="load the MPI (or Slurm) module that hpctrain was built against, e.g. "
@@ -144,7 +149,7 @@ def make_plan(args, environ=None):
             "HINT: set train.step_timeout (seconds a step or a checkpoint save may take), e.g. train.step_timeout=600")
     return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
-                      cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling)
+                      cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded)
 
 
 class Supervisor:

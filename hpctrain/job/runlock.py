@@ -11,7 +11,9 @@ same allocation, ``srun`` twice on one run directory, is refused):
 * an earlier run of the same Slurm job (requeued: a higher ``SLURM_RESTART_COUNT``, or the same step id,
   which a live job never gives twice),
 * another step of the same Slurm job that ``squeue --steps`` no longer lists (the batch step, which lives
-  as long as the job, only when it was on this host and has exited),
+  as long as the job, only when it was on this host and has exited), or one on a node that Slurm has taken
+  out of the job (a ``--no-kill`` job that lost the node: its step may still be listed, or even still run
+  there cut off, but it can no longer reach this allocation),
 * a Slurm job that ``squeue`` no longer lists as pending or running.
 
 How the lock is taken, and what that relies on (plain POSIX names, so NFS and Lustre too):
@@ -76,7 +78,7 @@ def _proc_state(pid):
 def _owner(environ=None):
     step, restart = slurm.step_of(environ)
     return {"slurm_job": slurm.job_id(environ), "slurm_step": step, "slurm_restart": restart,
-            "host": socket.gethostname(), "pid": os.getpid(),
+            "slurm_node": slurm.slurmd_node(environ), "host": socket.gethostname(), "pid": os.getpid(),
             "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "token": secrets.token_hex(8)}
 
@@ -111,6 +113,10 @@ def stale_reason(holder, me):
             return f"Slurm job {job} was requeued; the run that took the lock is gone"
         if holder.get("slurm_step") == me.get("slurm_step"):
             return f"same Slurm job {job} and step (restarted)"
+        node = holder.get("slurm_node")
+        if node and node != me.get("slurm_node") and slurm.left_allocation(node, job):
+            # a --no-kill job that lost the node: nothing of this job runs there for Slurm any more
+            return f"Slurm took {node} out of job {job}"
         if str(holder.get("slurm_step")).endswith(".batch"):
             return None  # the batch step lives as long as the job (and is on another host)
         if not slurm.step_active(holder.get("slurm_step")):

@@ -79,6 +79,31 @@ def allocated_tasks(environ=None):
     return first_int(os.environ if environ is None else environ, "SLURM_NTASKS") or 0
 
 
+def tasks_per_node(spec, hosts):
+    """``{host: tasks}`` from ``SLURM_TASKS_PER_NODE`` (``"2(x3),1"``: 2 tasks on each of the first three
+    hosts, 1 on the next) over ``hosts`` in the allocation's order, or None when they do not match (pure).
+
+    >>> tasks_per_node("2(x2),1", ["n1", "n2", "n3"])
+    {'n1': 2, 'n2': 2, 'n3': 1}
+    """
+    counts = []
+    for part in (spec or "").split(","):
+        count, _, times = part.strip().partition("(x")
+        try:
+            counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return None
+    return dict(zip(hosts, counts)) if hosts and len(counts) == len(hosts) else None
+
+
+def job_script_environment(environ, tasks):
+    """``environ`` of a one-task step, as the job script of a job of ``tasks`` tasks sees it: without the
+    step's own variables (a supervisor started from the step starts the ranks for the whole job)."""
+    env = {k: v for k, v in environ.items() if not k.startswith("SLURM_STEP")}
+    env["SLURM_NTASKS"] = env["SLURM_NPROCS"] = str(tasks)
+    return env
+
+
 # ---------------------------------------------------------------- the commands
 def _run(args):
     """The finished Slurm command, or None when it is missing, failed to start or hung."""
@@ -156,14 +181,19 @@ def node_state(node):
     return node_states(sinfo([node])).get(node, "")
 
 
+def job_nodes(job):
+    """The host names job ``job`` holds now (a --no-kill job loses the nodes that fail), or None if unsure."""
+    found = shutil.which("squeue")
+    proc = _run([found, "-h", "-j", job, "-o", "%N"]) if found and job else None
+    nodelist = proc.stdout.strip() if proc is not None else ""
+    return hostnames(nodelist) if nodelist else None
+
+
 def left_allocation(node, job):
     """True once Slurm has removed ``node`` from job ``job`` (a --no-kill job losing a node)."""
     if not job:
         return False
-    found = shutil.which("squeue")
-    proc = _run([found, "-h", "-j", job, "-o", "%N"]) if found else None
-    nodelist = proc.stdout.strip() if proc is not None else ""
-    nodes = hostnames(nodelist) if nodelist else None
+    nodes = job_nodes(job)
     return nodes is not None and node not in nodes
 
 
