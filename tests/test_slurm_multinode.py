@@ -11,7 +11,9 @@ the nodes over their bridge.
   supervisor relaunches without it, the job finishes without a requeue, the restart names it;
 * a network partition (the node's link down): the hang ends, the node is left out, the run
   finishes on the others;
-* the slow-rank report names the node of the slowed rank.
+* the slow-rank report names the node of the slowed rank;
+* the first node (job script, supervisor, rank 0) killed, or cut off: the standby supervisor on another
+  node relaunches there from the newest checkpoint, finishes the run and ends the job.
 """
 import json
 import re
@@ -164,5 +166,63 @@ def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_
         started = time.monotonic()
         restart = assert_finished_without(slurm_multinode, tmp_path, job, steps, "n2")
         print(f"partition to the end of the job: {time.monotonic() - started:.0f} s", restart)
+    finally:
+        slurm_multinode.heal()
+
+
+# ---------------------------------------------------------------- the first node lost
+def assert_taken_over(cluster, tmp_path, job, steps):
+    """The standby on another node took over from n1 and finished the run; the job was ended, not left
+    holding its nodes. Returns the takeover and job_end records."""
+    (record,) = cluster.wait(job, JOB_TIMEOUT)
+    run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
+    log = (run_dir / f"standby-{job}.out").read_text()
+    print(log[-5000:])
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", f"{record}\n{log[-5000:]}"
+    assert re.search(r"Slurm took the batch host n1 out of job \d+ \(last step \d+", log), \
+        log[-5000:] + cluster.log_tail(40)
+    assert re.search(r"starting 2 rank\(s\): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 --exclude=n1 -N 2 --overlap",
+                     log), log[-5000:]
+    (takeover,) = records(run_dir, "takeover")
+    (end,) = records(run_dir, "job_end")
+    assert takeover["lost"] == "n1" and takeover["host"] in ("n2", "n3") and takeover["ranks"] == 2, takeover
+    assert end["status"] == 0 and end["by"] == "standby" and end["stood_still_s"] > 0, end
+    last_start = records(run_dir, "start")[-1]
+    assert sorted(last_start["hosts"]) == ["n2", "n3"], last_start
+    final = latest_checkpoint(run_dir)
+    assert final.name == f"ckpt-{steps:08d}.h5"
+    check = ckpt_verify(final)
+    assert check.returncode == 0, check.stdout + check.stderr
+    # it resumed: the steps after the takeover start from a checkpoint, not from step 1
+    after = [r["step"] for r in records(run_dir, "train") if r["timestamp"] > takeover["timestamp"]]
+    assert after and 1 < after[0] <= takeover["last_step"] + 1, (after[:3], takeover)
+    report = cluster.run([PYTHON, "-m", "hpctrain", "report", run_dir], timeout=120)
+    assert "first node lost: Slurm took n1" in report.stdout and "training stood still" in report.stdout, \
+        report.stdout
+    return takeover, end
+
+
+def test_first_node_killed_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits):
+    """n1 runs the job script, the supervisor and rank 0: all of it is killed (its slurmd too)."""
+    steps = 30
+    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
+    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
+    try:
+        assert slurm_multinode.kill_node("n1"), "no process ran on n1"
+        takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
+        print(takeover, end)
+    finally:
+        slurm_multinode.heal()
+
+
+def test_first_node_cut_off_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits):
+    """n1's link down: its processes live on, cut off from Slurm and from the other ranks."""
+    steps = 30
+    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
+    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
+    try:
+        slurm_multinode.set_link("n1", False)
+        takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
+        print(takeover, end)
     finally:
         slurm_multinode.heal()

@@ -209,6 +209,11 @@ def summarize(records):
                      for r in _kind(records, "restart")],
         "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")}
                          for r in _kind(records, "launch_stop")],
+        # slurm/resilient.sbatch's standby: the first node lost, and the run finished from another
+        "takeovers": [{k: r.get(k) for k in ("host", "lost", "last_step", "seconds_since_last_step", "ranks")}
+                      for r in _kind(records, "takeover")],
+        "standby_ends": [{k: r.get(k) for k in ("host", "status", "stood_still_s")}
+                         for r in _kind(records, "job_end") if r.get("by") == "standby"],
         "checkpoints": len(_kind(records, "checkpoint")),
         "checkpoint_mean_seconds": float(np.mean(saves)) if saves else None,
         "gather_mean_seconds": float(np.mean([g["seconds"] for g in gathers])) if gathers else None,
@@ -262,6 +267,12 @@ def format_summary(s):
         lines.append(f"restarts: {len(events)} ({lost} step(s) lost in all): {shown}")
     for stop in s.get("launch_stops") or []:
         lines.append(f"not restarted: {stop['description']}: {stop['why']}")
+    for t in s.get("takeovers") or []:
+        lines.append(f"first node lost: Slurm took {t['lost']} (job script, supervisor) out of the job after step "
+                     f"{t['last_step']}; the standby on {t['host']} relaunched {t['ranks']} rank(s)")
+    for end in s.get("standby_ends") or []:
+        lines.append(f"the standby on {end['host']} ended the job: status {end['status']}, training stood still "
+                     f"{num(end['stood_still_s'], '.1f')} s")
     lines.append(f"checkpoints: {s['checkpoints']}, mean save time {num(s['checkpoint_mean_seconds'], '.3f')} s")
     if s["gather_mean_seconds"] is not None:
         lines.append(f"timing gather: {s['gather_mean_seconds'] * 1e3:.2f} ms each, "
