@@ -345,3 +345,36 @@ def test_validate_says_what_it_changed_to_keep_the_global_batch():
     assert "note" not in resolved.to_toml()  # said, not configured
     plain = load_config(None, ["data.path=x.h5", "train.global_batch_size=48", "train.accumulation=3"], environ={})
     assert not hasattr(validate(plain, world_size=4), "notes")
+
+
+def test_restart_costs_lay_the_time_from_failure_to_the_next_step_out_in_parts():
+    from hpctrain.monitoring.report import format_summary, restart_costs, summarize
+
+    records = [{"kind": "start", "timestamp": 0.0, "hosts": ["n1"]},
+               {"kind": "train", "step": 5, "steps": 5, "loss": 1.0, "timestamp": 10.0},
+               {"kind": "restart", "restart": 1, "cause": "signal", "rank": 0, "host": "n1", "ranks_before": 2,
+                "ranks_after": 2, "failed_step": 5, "resume_step": 3, "steps_lost": 2, "description": "killed",
+                "launch_ended": 11.0, "timestamp": 11.5},
+               {"kind": "start", "timestamp": 15.0, "hosts": ["n1"], "process_started": 11.75,
+                "startup": {"imports": 2.0, "mpi": 0.5, "resume": 0.25}},
+               {"kind": "train", "step": 4, "steps": 1, "loss": 1.0, "timestamp": 15.5}]
+    (cost,) = restart_costs(records)
+    assert cost == {"restart": 1, "total": 5.5, "parts": {
+        "launcher gone": 1.0, "decision": 0.5, "ranks started": 0.25, "imports": 2.0, "mpi": 0.5, "resume": 0.25,
+        "monitor": 0.5, "first logged step": 0.5}}
+    assert ("restart 1 cost 5.50 s from the last step to the first after it: launcher gone 1.00, decision 0.50, "
+            "ranks started 0.25, imports 2.00, mpi 0.50, resume 0.25, monitor 0.50, first logged step 0.50") in \
+        format_summary(summarize(records))
+
+
+def test_startup_parts_follow_each_other_from_the_process_start(monkeypatch):
+    from hpctrain.runtime import startup
+
+    clock = iter([100.0, 101.5, 103.0, 104.0])
+    monkeypatch.setattr(startup, "_since", None)
+    monkeypatch.setattr(startup, "process_started", lambda: 99.0)
+    monkeypatch.setattr(startup, "_clock", lambda: next(clock))
+    startup.mark("imports")
+    startup.mark("mpi")
+    assert startup.take() == {"imports": 1.0, "mpi": 1.5}  # from the process start, then from "imports"
+    assert startup.take() == {}  # cleared: a second fit in this process reports its own parts

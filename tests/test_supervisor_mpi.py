@@ -12,6 +12,7 @@ SUPERVISED_TEST_SEED.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -147,6 +148,14 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
     assert (f"restarts: 1 ({lost} step(s) lost in all): step {kill_step - 1}: rank {kill_rank} on " in report.stdout
             and f"killed by signal 9 (SIGKILL); {ranks} -> {after} ranks, {lost} step(s) lost" in report.stdout), \
         report.stdout
+    # the restart's cost, part by part, from the failed launch's last step to the relaunch's first
+    cost = re.search(r"restart 1 cost ([\d.]+) s from the last step to the first after it: (.*)", report.stdout)
+    assert cost, report.stdout
+    parts = {name: float(seconds) for name, seconds in (p.rsplit(" ", 1) for p in cost.group(2).split(", "))}
+    assert list(parts) == ["launcher gone", "decision", "ranks started", "imports", "mpi", "backend", "run_dir",
+                           "data", "model", "resume", "monitor", "first logged step"], parts
+    assert all(v >= 0 for v in parts.values()) and parts["imports"] > 0, parts
+    assert abs(sum(parts.values()) - float(cost.group(1))) < 0.05, parts  # the parts make up the whole
 
 
 def test_restarts_exhausted_stop_with_the_count_and_the_cause(tmp_path, digits, wrapper):

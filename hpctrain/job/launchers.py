@@ -60,6 +60,7 @@ class Attempt:
     records: list  # the ranks' failure records of this launch
     metrics: list  # the metrics.jsonl records this launch wrote
     seconds: float
+    ended: float = 0.0  # when the launcher had exited (seconds since the epoch)
 
 
 class _Tee(threading.Thread):
@@ -104,8 +105,9 @@ def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child:
     for t in tees:
         t.start()
     returncode = child.wait()
+    ended = time.time()
     for t in tees:
         t.join(timeout=10)
     started_child(None)
     return Attempt(returncode, tees[0].text() + "\n" + tees[1].text(), read_records(failure_file, offsets[0]),
-                   read_records(metrics_file, offsets[1]), time.monotonic() - started)
+                   read_records(metrics_file, offsets[1]), time.monotonic() - started, ended)

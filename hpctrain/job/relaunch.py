@@ -368,7 +368,8 @@ def restart_record(p, n, failed, before, after, attempt, why):
     return text, {"kind": "restart", "restart": n, "cause": failed.cause, **_failure_fields(failed),
                   "ranks_before": before, "ranks_after": after, "decision": why, "excluded": list(p.excluded),
                   "failed_step": failed_step, "resume_step": resume, "steps_lost": lost,
-                  "launch_seconds": round(attempt.seconds, 3), "changes": changes}
+                  "launch_seconds": round(attempt.seconds, 3), "launch_ended": attempt.ended or None,
+                  "changes": changes}
 
 
 def _failure_fields(failed):

@@ -39,6 +39,40 @@ def _kind(records, kind):
     return [r for r in records if r.get("kind") == kind]
 
 
+def restart_costs(records):
+    """Per ``restart`` record of ``hpctrain launch``, the time from the failed launch's last logged step to the
+    relaunch's first, part by part (pure): ``{"restart", "total", "parts": {part: seconds}}``. The parts: until
+    the launcher was gone (the failure noticed, every rank ended), the supervisor's decision, until the new
+    ranks ran, rank 0's start-up parts (its ``start`` record: imports, MPI, backend, run directory, data, model,
+    resume), the monitor's set-up, and until the first logged step (``monitor.log_every`` steps). Times from
+    several hosts mix their clocks."""
+    costs = []
+    stamped = [r for r in records if isinstance(r.get("timestamp"), (int, float))]
+    for restart in (r for r in stamped if r.get("kind") == "restart"):
+        at = restart["timestamp"]
+        before = [r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] < at]
+        start = next((r for r in stamped if r.get("kind") == "start" and r["timestamp"] > at), None)
+        if not before or start is None:
+            continue
+        first = next((r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] > start["timestamp"]),
+                     None)
+        ended, began = restart.get("launch_ended"), start.get("process_started")
+        parts = {}
+        if ended:
+            parts["launcher gone"] = ended - before[-1]
+            parts["decision"] = at - ended
+        if began:
+            parts["ranks started"] = began - at
+        parts.update(start.get("startup") or {})
+        if began:
+            parts["monitor"] = start["timestamp"] - began - sum((start.get("startup") or {}).values())
+        if first is not None:
+            parts["first logged step"] = first - start["timestamp"]
+        costs.append({"restart": restart.get("restart"), "parts": {k: round(v, 3) for k, v in parts.items()},
+                      "total": None if first is None else round(first - before[-1], 3)})
+    return costs
+
+
 def _figure(*, nrows=1, figsize=(8, 4.5)):
     # Figure without pyplot: no global state, no display needed, Agg canvas on savefig.
     from matplotlib.figure import Figure
@@ -209,6 +243,7 @@ def summarize(records):
                      for r in _kind(records, "restart")],
         "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")}
                          for r in _kind(records, "launch_stop")],
+        "restart_costs": restart_costs(records),
         # slurm/resilient.sbatch's standby: the first node lost, and the run finished from another
         "takeovers": [{k: r.get(k) for k in ("host", "lost", "last_step", "seconds_since_last_step", "ranks")}
                       for r in _kind(records, "takeover")],
@@ -265,6 +300,10 @@ def format_summary(s):
                           f"{e['ranks_before']} -> {e['ranks_after']} ranks, "
                           f"{'?' if e['steps_lost'] is None else e['steps_lost']} step(s) lost" for e in events)
         lines.append(f"restarts: {len(events)} ({lost} step(s) lost in all): {shown}")
+    for cost in s.get("restart_costs") or []:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in cost["parts"].items())
+        lines.append(f"restart {cost['restart']} cost {num(cost['total'], '.2f')} s from the last step to the first "
+                     f"after it: {parts}")
     for stop in s.get("launch_stops") or []:
         lines.append(f"not restarted: {stop['description']}: {stop['why']}")
     for t in s.get("takeovers") or []:

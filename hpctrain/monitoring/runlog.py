@@ -12,6 +12,7 @@ import numpy as np
 
 from ..job.rundir import METRICS_FILE
 from ..runtime.replicas import divergent_ranks
+from ..runtime.startup import process_started
 from .display import ProgressDisplay
 from .slownodes import SlowRankDetector, work_seconds
 from .timing import PHASES, PhaseTotals as T
@@ -107,7 +108,8 @@ class RunLog:
     record when built; :meth:`end` writes the last records and closes the files."""
 
     def __init__(self, run_dir, hosts, *, log_every, gather_every, total_steps=None,
-                 samples_per_step=None, progress="auto", detector=None, tensorboard=False, stream=None):
+                 samples_per_step=None, progress="auto", detector=None, tensorboard=False, stream=None,
+                 startup=None):
         self.hosts, self.log_every, self.samples_per_step = hosts, log_every, samples_per_step
         self.display = ProgressDisplay(progress, total_steps, stream)
         self.writer = MetricsWriter(run_dir, tensorboard, warn=self.display.message)
@@ -118,7 +120,9 @@ class RunLog:
         self.diverged = []  # the ranks last reported as diverged
         self.writer.write({"kind": "start", "timestamp": self.started, "ranks": len(hosts),
                            "hosts": hosts, "phases": list(PHASES), "gather_every": gather_every,
-                           "log_every": log_every, "total_steps": total_steps})
+                           "log_every": log_every, "total_steps": total_steps,
+                           # rank 0's start-up, part by part (hpctrain.runtime.startup): what a relaunch pays
+                           "process_started": process_started(), "startup": dict(startup or {})})
 
     def _times(self):
         now = time.time()

@@ -163,8 +163,9 @@ def init_world(comm=None, pin=True, check=True):
     """Initialise MPI (through mpi4py), check the launch, pin this rank to its device; raises
     :class:`~hpctrain.errors.LaunchError` when the launcher and MPI disagree."""
     global _mpi_note
-    from . import allocator
+    from . import allocator, startup
 
+    startup.mark("imports")  # the interpreter, hpctrain and what it imported: the start-up before MPI
     allocator.tune()  # before the model and its buffers are allocated
     info = launch_info()
     if check and problems_before_mpi(info):
@@ -183,6 +184,7 @@ def init_world(comm=None, pin=True, check=True):
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
     device = pin_device(local_rank, local_size) if pin else "cpu"
+    startup.mark("mpi")
     return World(rank, size, local_rank, local_size, node_name(), info.launcher, comm, device)
 
 

@@ -15,7 +15,7 @@ from ..job.watchdog import Watchdog, watching
 from ..models import count_parameters
 from ..monitoring.monitor import Monitor, build_callbacks
 from ..monitoring.timing import PhaseTimer
-from ..runtime import allocator
+from ..runtime import allocator, startup
 from ..runtime.coordination import all_or_none, on_root
 from ..runtime.world import init_world, mpi_settings
 from ..state import Progress, TrainState
@@ -40,17 +40,21 @@ def set_up(trainer, local):
     # rank stuck in a collective) ends the whole job. Made first: the set-up below already waits.
     watchdog = local.enter_context(Watchdog(t.step_timeout or None, comm=world.comm, where=world.where()))
     steps = steps_for(cfg, world)
+    startup.mark("backend")
     run_dir = _run_directory(cfg, world, steps, local)
+    startup.mark("run_dir")
     with watching("opening the data set"):
         train, val = open_datasets(cfg, world.comm, trainer.train_data, trainer.val_data)
         # Split runs: each replica (not each rank) reads train.batch_size samples per step.
         sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, steps.data_ranks, t.accumulation)
         all_or_none(lambda: _check_enough_data(sampler), world.comm)
+    startup.mark("data")
     torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
     loss_fn = trainer.loss_fn or build_loss(t.loss)
     model = steps.build_model(trainer.model, train, loss_fn)
     base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
     state = _state(cfg, steps, model, base_lr)
+    startup.mark("model")
     checkpoints = trainer.checkpoints
     if checkpoints == "auto":
         checkpoints = CheckpointManager(rundir.checkpoint_dir(cfg, run_dir), world, cfg.checkpoint,
@@ -60,6 +64,7 @@ def set_up(trainer, local):
             sampler.seed = state.progress.seed  # the data order of the run being resumed
         steps.broadcast(state)
         state.comm_mode.start(state)
+    startup.mark("resume")  # the checkpoint found, read and shared (or none)
     p = state.progress
     budget = step_budget(t, sampler.steps_per_epoch, p.step, p.epoch,
                          max(0, sampler.num_samples - p.samples_in_epoch) // sampler.global_batch)
@@ -135,7 +140,7 @@ def _callbacks(given, cfg, steps, run_dir, sampler, total_steps):
         # Every rank builds it: the monitor gathers timings across ranks.
         with watching("monitor set-up"):
             callbacks = build_callbacks(cfg.monitor, run_dir, comm=steps.world.comm, total_steps=total_steps,
-                                        samples_per_step=sampler.global_batch) + callbacks
+                                        samples_per_step=sampler.global_batch, startup=startup.take()) + callbacks
     return callbacks
 
 

@@ -1,0 +1,46 @@
+"""This process's start-up, part by part: when it started, and when it finished each part before its first step
+(the Python interpreter and imports, MPI, the backend, the run directory, the data, the model, the resume). A
+relaunch after a failure pays all of it; rank 0 writes the parts into the run's ``start`` record, and
+``hpctrain report`` lays each restart's cost out from them.
+
+    startup.mark("data")        # once the data are open
+    startup.take()              # {"imports": 2.31, "mpi": 0.41, ..., "data": 0.02}: seconds, in order
+"""
+import os
+import time
+
+_clock = time.time
+_marks = {}  # part -> the time it ended
+_since = None  # where the next take() begins: the process start, then the previous take()
+
+
+def process_started():
+    """When this process started (seconds since the epoch; Linux /proc), or None where unknown."""
+    try:  # the start in clock ticks since boot, against the uptime now (/proc/stat's btime is whole seconds)
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mark(part):
+    """``part`` of the start-up ends now."""
+    _marks[part] = _clock()
+
+
+def take():
+    """``{part: seconds}`` of the parts marked since the process started (or since the last take), in the
+    order they ended, each from the end of the one before; the marks are then cleared."""
+    global _since
+    start = _since if _since is not None else process_started()
+    parts = {}
+    for part, at in sorted(_marks.items(), key=lambda item: item[1]):
+        if start is not None:
+            parts[part] = round(max(0.0, at - start), 3)
+        start = at
+    _marks.clear()
+    _since = _clock()
+    return parts
