@@ -122,7 +122,7 @@ def main(argv=None, environ=None):
     step, at = (_steps(args.run_dir) or [(None, None)])[-1]
     idle = None if at is None else round(noticed - at, 1)
     _say(f"Slurm took the batch host {args.batch_host} out of job {job} (last step {step}, "
-        f"{'?' if idle is None else idle} s ago); taking over with {ranks} rank(s) on the nodes left")
+         f"{'?' if idle is None else idle} s ago); taking over with {ranks} rank(s) on the nodes left")
     _record(args.run_dir, {"kind": "takeover", "host": socket.gethostname(), "lost": args.batch_host,
                            "last_step": step, "seconds_since_last_step": idle, "ranks": ranks})
     cmd = [sys.executable, "-m", "hpctrain", "launch", "--exclude", args.batch_host, "-n", str(ranks), *launch]
@@ -131,8 +131,8 @@ def main(argv=None, environ=None):
     after = [t for _, t in _steps(args.run_dir) if t > noticed]
     still = None if at is None or not after else round(after[0] - at, 1)
     _say(f"the supervisor ended with status {status}; training stood still {'?' if still is None else still} s; "
-        f"ending job {job} (scancel) so that no allocation is held idle"
-        + ("" if status == 0 else f"; resubmit with RUN_DIR={args.run_dir} to continue from the newest checkpoint"))
+         f"ending job {job} (scancel) so that no allocation is held idle"
+         + ("" if status == 0 else f"; resubmit with RUN_DIR={args.run_dir} to continue from the newest checkpoint"))
     _record(args.run_dir, {"kind": "job_end", "by": "standby", "host": socket.gethostname(), "status": status,
                            "stood_still_s": still, "seconds_since_takeover": round(time.time() - noticed, 1)})
     scancel = shutil.which("scancel")
