@@ -64,10 +64,10 @@ def test_lock_of_an_exited_unreaped_process_is_taken_over(tmp_path):
     # A crashed rank that has exited but is not yet reaped still answers kill(pid, 0).
     proc = _holder(tmp_path, 0)
     for _ in range(100):
-        if runlock._proc_state(proc.pid)[0] == "Z":
+        if runlock.proc_state(proc.pid)[0] == "Z":
             break
         time.sleep(0.05)
-    assert runlock._proc_state(proc.pid)[0] == "Z"
+    assert runlock.proc_state(proc.pid)[0] == "Z"
     path = runlock.acquire(str(tmp_path), environ={})
     assert json.loads(open(path).read())["pid"] == os.getpid()
     proc.wait(timeout=10)

@@ -23,7 +23,6 @@ it is said); where it cannot, the supervisor relaunches on the largest rank coun
 what to set. Every restart is a ``restart`` record in ``metrics.jsonl`` (cause, rank, host, ranks before and
 after, steps lost), shown by ``hpctrain report``; a run it gives up on ends with a ``launch_stop`` record."""
 import collections
-import json
 import os
 import shlex
 import shutil
@@ -253,13 +252,7 @@ class Supervisor:
         return failed.status if failed.status not in (0, EXIT_STOPPED) else EXIT_OTHER
 
     def _write_metrics(self, record):
-        record = {**record, "timestamp": time.time()}
-        try:
-            os.makedirs(self.plan.run_dir, exist_ok=True)
-            with open(self.plan.metrics_file, "a") as f:
-                f.write(json.dumps(record, default=str) + "\n")
-        except OSError as exc:
-            say(f"warning: could not append to {self.plan.metrics_file}: {exc}")
+        rundir.append_metrics(self.plan.run_dir, record, say)
 
 
 # ---------------------------------------------------------------- the decisions

@@ -4,6 +4,7 @@
 ``<run.root or HPCTRAIN_RUN_ROOT or runs>/<run.name>-<date>-<time>``. Its files are named here,
 for everything that writes or reads them."""
 import dataclasses
+import json
 import os
 import time
 
@@ -26,6 +27,18 @@ def new_path(cfg):
         n += 1
         path = f"{base}-{n}"
     return os.path.abspath(path)
+
+
+def append_metrics(run_dir, record, warn):
+    """Append ``record``, stamped with the time, to ``run_dir``'s metrics.jsonl (the supervisors' records);
+    ``warn(text)`` says so when it cannot."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({**record, "timestamp": time.time()}, default=str) + "\n")
+    except OSError as exc:
+        warn(f"warning: could not append to {path}: {exc}")
 
 
 def checkpoint_dir(cfg, run_dir):

@@ -46,6 +46,7 @@ import time
 
 from ..errors import HpctrainError
 from ..runtime import fsutil, slurm
+from ..runtime.system import proc_state
 
 log = logging.getLogger("hpctrain")
 
@@ -65,21 +66,11 @@ SETTLE_SECONDS = 10.0
 CLAIM_KEEP = 600.0
 
 
-def _proc_state(pid):
-    """(state letter, start time in clock ticks) of ``pid`` from /proc, or (None, None)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, ValueError, IndexError, TypeError):
-        return None, None
-
-
 def _owner(environ=None):
     step, restart = slurm.step_of(environ)
     return {"slurm_job": slurm.job_id(environ), "slurm_step": step, "slurm_restart": restart,
             "slurm_node": slurm.slurmd_node(environ), "host": socket.gethostname(), "pid": os.getpid(),
-            "proc_start": _proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "proc_start": proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "token": secrets.token_hex(8)}
 
 
@@ -90,7 +81,7 @@ def _pid_alive(pid, proc_start=None):
         return False
     except (PermissionError, ValueError, TypeError):
         return True  # exists but not ours, or unreadable: assume alive
-    state, start = _proc_state(pid)
+    state, start = proc_state(pid)
     if state in ("Z", "X"):  # exited, not yet reaped
         return False
     if proc_start is not None and start is not None and start != proc_start:

@@ -16,7 +16,6 @@ the newest checkpoint. When that supervisor ends, the standby ends the job (``sc
 allocation is held idle; a ``takeover`` and a ``job_end`` record in ``metrics.jsonl`` say what happened and
 how long training stood still. A job that ends normally ends this step with it."""
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ import sys
 import time
 
 from ..runtime import slurm
+from ..runtime.coordination import read_records
 from . import rundir
 
 _NAME = "hpctrain standby"
@@ -58,29 +58,13 @@ def remaining_ranks(tasks, spec, hosts, lost):
     return tasks - tasks // max(1, len(hosts))
 
 
-def _record(run_dir, record):
-    try:
-        with open(os.path.join(run_dir, rundir.METRICS_FILE), "a") as f:
-            f.write(json.dumps({**record, "timestamp": time.time()}) + "\n")
-    except OSError as exc:
-        _say(f"warning: could not append to the run's metrics: {exc}")
-
-
 def _steps(run_dir):
     """``[(step, timestamp)]`` of the run's ``train`` records, oldest first."""
-    steps = []
     try:
-        with open(os.path.join(run_dir, rundir.METRICS_FILE)) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if record.get("kind") == "train" and record.get("timestamp"):
-                    steps.append((record.get("step"), record["timestamp"]))
+        records = read_records(os.path.join(run_dir, rundir.METRICS_FILE))
     except OSError:
-        pass
-    return steps
+        records = []
+    return [(r.get("step"), r["timestamp"]) for r in records if r.get("kind") == "train" and r.get("timestamp")]
 
 
 def wait_for_loss(batch_host, job, poll):
@@ -123,8 +107,8 @@ def main(argv=None, environ=None):
     idle = None if at is None else round(noticed - at, 1)
     _say(f"Slurm took the batch host {args.batch_host} out of job {job} (last step {step}, "
          f"{'?' if idle is None else idle} s ago); taking over with {ranks} rank(s) on the nodes left")
-    _record(args.run_dir, {"kind": "takeover", "host": socket.gethostname(), "lost": args.batch_host,
-                           "last_step": step, "seconds_since_last_step": idle, "ranks": ranks})
+    rundir.append_metrics(args.run_dir, {"kind": "takeover", "host": socket.gethostname(), "lost": args.batch_host,
+                                         "last_step": step, "seconds_since_last_step": idle, "ranks": ranks}, _say)
     cmd = [sys.executable, "-m", "hpctrain", "launch", "--exclude", args.batch_host, "-n", str(ranks), *launch]
     child = subprocess.Popen(cmd, env=slurm.job_script_environment(env, args.tasks))
     status = child.wait()
@@ -133,8 +117,9 @@ def main(argv=None, environ=None):
     _say(f"the supervisor ended with status {status}; training stood still {'?' if still is None else still} s; "
          f"ending job {job} (scancel) so that no allocation is held idle"
          + ("" if status == 0 else f"; resubmit with RUN_DIR={args.run_dir} to continue from the newest checkpoint"))
-    _record(args.run_dir, {"kind": "job_end", "by": "standby", "host": socket.gethostname(), "status": status,
-                           "stood_still_s": still, "seconds_since_takeover": round(time.time() - noticed, 1)})
+    rundir.append_metrics(args.run_dir, {"kind": "job_end", "by": "standby", "host": socket.gethostname(),
+                                         "status": status, "stood_still_s": still,
+                                         "seconds_since_takeover": round(time.time() - noticed, 1)}, _say)
     scancel = shutil.which("scancel")
     if scancel and job:
         subprocess.call([scancel, job], timeout=slurm.TIMEOUT)

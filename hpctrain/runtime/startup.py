@@ -9,6 +9,8 @@ relaunch after a failure pays all of it; rank 0 writes the parts into the run's 
 import os
 import time
 
+from .system import proc_state
+
 _clock = time.time
 _marks = {}  # part -> the time it ended
 _since = None  # where the next take() begins: the process start, then the previous take()
@@ -16,14 +18,13 @@ _since = None  # where the next take() begins: the process start, then the previ
 
 def process_started():
     """When this process started (seconds since the epoch; Linux /proc), or None where unknown."""
+    ticks = proc_state(os.getpid())[1]
     try:  # the start in clock ticks since boot, against the uptime now (/proc/stat's btime is whole seconds)
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+    return None if ticks is None else time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def mark(part):

@@ -7,6 +7,16 @@ import functools
 import os
 
 
+def proc_state(pid):
+    """(state letter, start time in clock ticks since boot) of process ``pid`` from /proc, or (None, None)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError, TypeError):
+        return None, None
+
+
 def usable_cpus():
     """The CPUs this process may run on: its affinity set where the system has one (Linux:
     what mpirun's or srun's binding left it), else the node's count."""
