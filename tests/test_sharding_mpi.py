@@ -47,6 +47,13 @@ def _params(directory, ranks):
     return [[f[k] for k in sorted(f.files) if k.startswith("p")] for f in found]
 
 
+def _assert_same_params(a, b, ranks):
+    """Every rank of run ``a`` ends with the parameters of run ``b``'s, bit for bit."""
+    for pa, pb in zip(_params(a, ranks), _params(b, ranks)):
+        for x, y in zip(pa, pb):
+            np.testing.assert_array_equal(x, y)
+
+
 def _content(path):
     """Every dataset (bytes, shape, dtype, attributes) and group's attributes, but rank 0's
     generator states, which differ from launch to launch."""
@@ -81,9 +88,7 @@ def test_sharded_checkpoints_resume_on_any_rank_count_with_or_without_sharding(t
     # the same rank count and mode, resumed at step 5: bit for bit where the run went on
     a = tmp_path / "a"
     mpirun(4, [TRAIN, a, "comm.shard=optimizer", f"checkpoint.resume={at5}", *ADAMW], timeout=TIMEOUT).check()
-    for pa, pu in zip(_params(a, 4), _params(u, 4)):
-        for x, y in zip(pa, pu):
-            np.testing.assert_array_equal(x, y)
+    _assert_same_params(a, u, 4)
     # ... and its final checkpoint, saved in the foreground, holds the same bytes as the background one
     assert _content(a / "checkpoints" / "ckpt-00000010.h5") == _content(at10)
     # replicated on 2 ranks (mpi backend), resumed from the sharded file: the same within
@@ -138,9 +143,7 @@ def test_parameter_groups_shard_checkpoint_and_resume_as_replicated_ones(tmp_pat
     assert set(steps.values()) == {10} and len(steps) == 6, steps  # every parameter's state, each group's step
     a = tmp_path / "a"
     mpirun(4, [TRAIN, a, "comm.shard=gradients", f"checkpoint.resume={at5}", *groups], timeout=TIMEOUT).check()
-    for pa, pu in zip(_params(a, 4), _params(u, 4)):
-        for x, y in zip(pa, pu):
-            np.testing.assert_array_equal(x, y)
+    _assert_same_params(a, u, 4)
     assert _content(a / "checkpoints" / "ckpt-00000010.h5") == _content(at10)
     mpirun(1, [RESAVE, at10, tmp_path / "one.h5", "none", "mpi", "train.weight_decay_on=matrices"],
            timeout=TIMEOUT).check()

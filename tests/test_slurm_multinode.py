@@ -202,26 +202,18 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     return takeover, end
 
 
-def test_first_node_killed_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits):
-    """n1 runs the job script, the supervisor and rank 0: all of it is killed (its slurmd too)."""
+@pytest.mark.parametrize("cut_off", [False, True], ids=["killed", "cut-off"])
+def test_first_node_lost_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits, cut_off):
+    """n1 runs the job script, the supervisor and rank 0. Killed: all of it dies, its slurmd too. Cut off (its
+    link down): its processes live on, cut off from Slurm and from the other ranks."""
     steps = 30
     job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
     wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
     try:
-        assert slurm_multinode.kill_node("n1"), "no process ran on n1"
-        takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
-        print(takeover, end)
-    finally:
-        slurm_multinode.heal()
-
-
-def test_first_node_cut_off_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits):
-    """n1's link down: its processes live on, cut off from Slurm and from the other ranks."""
-    steps = 30
-    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
-    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
-    try:
-        slurm_multinode.set_link("n1", False)
+        if cut_off:
+            slurm_multinode.set_link("n1", False)
+        else:
+            assert slurm_multinode.kill_node("n1"), "no process ran on n1"
         takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
         print(takeover, end)
     finally:
