@@ -93,3 +93,21 @@ def test_async_save_is_cheap_and_not_started_before_the_last_write_ends(tmp_path
     # previous write: each blocks for its snapshot only, far less than the write.
     assert max(seconds for _, seconds, _ in record["saves"][2:]) < SAVE_SLEEP / 2, record["saves"]
     assert overhead_after_first_save(record) <= budget, record["saves"]
+
+
+def test_with_the_local_level_both_intervals_come_from_their_own_costs(tmp_path):
+    """checkpoint.local with auto_interval: each level gets half the budget and its own interval; the
+    snapshots, far cheaper than the (slowed) HDF5 saves, come far more often."""
+    local = tmp_path / "local"
+    local.mkdir()
+    stdout, record = run(tmp_path, "checkpoint.max_overhead=0.2", "train.max_steps=300", "checkpoint.local=true",
+                         f"checkpoint.local_dir={local}")
+    hdf5 = chosen(stdout)
+    assert all(why == "the overhead budget" for _, why in hdf5)
+    assert re.search(r"hpctrain: checkpoint interval: .*budget 0\.1 of wall time", stdout), stdout
+    found = re.findall(r"hpctrain: node-local checkpoint interval: every (\d+) steps.*"
+                       r"save blocks ([\d.e-]+) s.*budget 0\.1 of wall time.*set by the overhead budget", stdout)
+    assert found, stdout
+    local_steps, local_cost = int(found[-1][0]), float(found[-1][1])
+    assert local_cost < SAVE_SLEEP / 5 and local_steps * 5 <= hdf5[-1][0], (found, hdf5)
+    assert "node-local checkpoints in" in stdout

@@ -7,7 +7,8 @@ the nodes over their bridge.
   in the run directory;
 * a checkpoint written collectively from 2 nodes resumes on 1 node and trains on as a run that
   never moved;
-* a node killed (its slurmd and its job processes) inside slurm/resilient.sbatch on 3 nodes: the
+* a node killed (its slurmd and its job processes) inside slurm/resilient.sbatch on 3 nodes (also with
+  node-local checkpoints, whose lost part comes from its copy on the next node): the
   supervisor relaunches without it, the job finishes without a requeue, the restart names it;
 * a network partition (the node's link down): the hang ends, the node is left out, the run
   finishes on the others;
@@ -155,6 +156,29 @@ def test_dead_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, d
         print(restart)
     finally:
         slurm_multinode.heal()
+
+
+def test_dead_nodes_local_checkpoint_part_comes_from_its_copy_on_the_next_node(slurm_multinode, tmp_path, digits):
+    """checkpoint.local on 3 nodes, no HDF5 checkpoint before the end: n3 killed, the relaunch on n1 and n2
+    resumes from the newest snapshot, rank 2's part read from the copy that n1 kept of it."""
+    steps, local = 30, tmp_path / "local"
+    local.mkdir()
+    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20",
+                           "checkpoint.every_steps=0", "checkpoint.local=true", "checkpoint.local_every_steps=2",
+                           f"checkpoint.local_dir={local}")
+    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
+    try:
+        assert slurm_multinode.kill_node("n3"), "no process ran on n3"
+        assert_finished_without(slurm_multinode, tmp_path, job, steps, "n3")
+    finally:
+        slurm_multinode.heal()
+    out = output_of(tmp_path, job)
+    found = re.search(r"hpctrain: recovered step (\d+) from the node-local checkpoints on n1, n2, written to "
+                      r"ckpt-\d+\.h5 in [\d.]+ s; the part\(s\) of rank\(s\) 2 from their copies", out)
+    assert found and int(found.group(1)) >= 8, out[-5000:]
+    assert f"resumed from {tmp_path}/runs/hpctrain-resilient-{job}/checkpoints/ckpt-{int(found.group(1)):08d}.h5" in out
+    (base,) = local.iterdir()
+    assert sorted(p.name for p in base.iterdir()) == ["n3"]  # the survivors' snapshots removed at the end
 
 
 def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_path, digits):

@@ -16,6 +16,7 @@ from . import commit, directory
 from . import format as fmt
 from .background import BackgroundWriter, threads_ok
 from .interval import AutoInterval
+from .local import LocalLevel
 from .plan import check_finite
 from .policy import save_reason
 from .replicated import ReplicatedPlanner
@@ -45,9 +46,12 @@ class CheckpointManager:
         self._last_step = None
         self._last_time = time.monotonic()  # rank 0's clock is the one that counts
         self.last_path = None
-        # checkpoint.auto_interval: rank 0's estimator (fed and asked inside on_root only)
-        self.interval = (AutoInterval(cfg.max_overhead, cfg.mtbf_hours, cfg.every_steps, cfg.every_minutes)
+        # checkpoint.auto_interval: rank 0's estimator (fed and asked inside on_root only); with the
+        # node-local level (checkpoint.local, its own estimator) each level has half the overhead budget
+        share = 0.5 if getattr(cfg, "local", False) else 1.0
+        self.interval = (AutoInterval(cfg.max_overhead * share, cfg.mtbf_hours, cfg.every_steps, cfg.every_minutes)
                          if getattr(cfg, "auto_interval", False) else None)
+        self.local = LocalLevel(cfg, self.directory, world, share) if getattr(cfg, "local", False) else None
 
     # -- resume
 
@@ -59,7 +63,12 @@ class CheckpointManager:
         on_root(lambda: directory.remove_stale_temps(self.directory), self.comm)
         mode = self.cfg.resume
         if mode == "none":
+            if self.local is not None:
+                self.local.clear()  # another run's snapshots, in this directory before
             return False
+        if mode == "auto" and self.local is not None:
+            newest = on_root(lambda: next(iter(directory.scan(self.directory)), (None, None))[0], self.comm)
+            self.local.recover(newest, self.retention, self.cfg.verify)
         if mode != "auto":
             path = os.path.abspath(mode)
             self._loaded(state, path, self.planner.load(path, state))
@@ -86,6 +95,8 @@ class CheckpointManager:
         self._last_step = state.progress.step
         self._last_time = time.monotonic()
         continue_from(self.directory, path, header, state, self.comm, self.world.is_root)
+        if self.local is not None:  # the run goes on from here: newer snapshots are another branch
+            self.local.discard_after(state.progress.step)
 
     # -- saving
 
@@ -96,21 +107,26 @@ class CheckpointManager:
         c = self.cfg
         started = time.monotonic()
         step = state.progress.step
-        auto = self.interval
+        auto, local = self.interval, self.local
 
         def decide():
             due = auto is not None and self._auto_due(step, started)
-            return save_reason(step, self._last_step, started - self._last_time,
-                               0 if auto is not None else c.every_steps, c.every_minutes, c.on_epoch_end,
-                               c.on_finish, epoch_end, final, requested, auto_due=due)
+            reason = save_reason(step, self._last_step, started - self._last_time,
+                                 0 if auto is not None else c.every_steps, c.every_minutes, c.on_epoch_end,
+                                 c.on_finish, epoch_end, final, requested, auto_due=due)
+            return reason, reason is None and local is not None and local.due(step, started, self._last_step)
 
-        reason = on_root(decide, self.comm)
-        path = None
+        reason, local_due = on_root(decide, self.comm)
+        path, snapped = None, False
         if reason is not None:
             path = self.save(state, reason=reason, metrics=metrics)
+        elif local_due:
+            snapped = self.local.save(state, self.planner, step, self.run_config)
+        ended = time.monotonic()
         if auto is not None:
-            ended = time.monotonic()
             auto.call_ended(ended, step, ended - started if path is not None else None)
+        if local is not None:
+            local.call_ended(ended, step, ended - started if snapped else None)
         return path
 
     def _auto_due(self, step, now):
@@ -157,8 +173,11 @@ class CheckpointManager:
         self.background.wait()
 
     def close(self):
-        """Finish a background save and release the writer's communicator."""
+        """Finish a background save and release the writer's communicator. The node-local snapshots are
+        removed once an HDF5 checkpoint is as new as they are (else kept: the newest state is theirs)."""
         self.background.close()
+        if self.local is not None:
+            self.local.finish(self._last_step)
 
 
 def _warn_about_io(parallel, forced, ranks, async_save):

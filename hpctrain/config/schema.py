@@ -66,6 +66,11 @@ class CheckpointConfig:
     auto_interval: bool = False
     max_overhead: float = 0.0  # fraction of wall time training may wait for saves, e.g. 0.02; 0: off
     mtbf_hours: float = 0.0  # the job's mean time between failures: Young/Daly interval; 0: off
+    # The node-local level (docs/checkpoint-format.md, "Node-local checkpoints"): snapshots into storage on
+    # each node, with a copy on the next node, between the HDF5 checkpoints; resume takes the newer.
+    local: bool = False
+    local_every_steps: int = 0  # steps between snapshots; 0 with auto_interval: chosen from their cost
+    local_dir: str = "/dev/shm"  # RAM-backed by default; a local disk's path works too
 
 
 

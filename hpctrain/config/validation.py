@@ -227,9 +227,23 @@ def _check_checkpoint(k):
     check_choice("checkpoint.best_mode", k.best_mode, schema.BEST_MODES)
     check_choice("checkpoint.consistency", k.consistency, schema.CONSISTENCY)
     for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",
-                 "mtbf_hours"):
+                 "mtbf_hours", "local_every_steps"):
         _positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
     _check_auto_interval(k)
+    _check_local(k)
+
+
+def _check_local(k):
+    """``[checkpoint]``: the node-local level needs an interval, and its keys need it."""
+    if k.local and not (k.local_every_steps or k.auto_interval):
+        raise ConfigError("checkpoint.local = true, but no interval for it: checkpoint.local_every_steps is 0 "
+                          "and checkpoint.auto_interval is false",
+                          hint="e.g. checkpoint.local_every_steps=50, or checkpoint.auto_interval=true with "
+                               "checkpoint.max_overhead=0.02 to choose both levels' intervals")
+    if not k.local and k.local_every_steps:
+        raise ConfigError(f"checkpoint.local_every_steps = {k.local_every_steps} is only used with "
+                          f"checkpoint.local = true, which is false",
+                          hint="set checkpoint.local=true, or remove checkpoint.local_every_steps")
 
 
 def _check_auto_interval(k):
@@ -360,6 +374,9 @@ def _check_split(cfg):
     if cfg.checkpoint.async_save:
         raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
                           f"model in place", hint="set checkpoint.async_save=false")
+    if cfg.checkpoint.local:
+        raise ConfigError(f"checkpoint.local (node-local checkpoints) is not supported {why} yet: a snapshot "
+                          f"is recovered as a data-parallel state", hint="set checkpoint.local=false")
     if cfg.monitor.consistency_every:
         raise ConfigError(f"monitor.consistency_every compares all ranks' models, but {why} the ranks hold "
                           f"different parts; checkpoints still compare the replicas of each stage",

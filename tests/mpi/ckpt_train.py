@@ -1,6 +1,7 @@
 """A tiny data-parallel training loop (mpi4py Allreduce of gradients) with checkpoints.
 
     mpirun -n 2 python tests/mpi/ckpt_train.py DIR STEPS [every_steps=K] [resume=auto|none] [async_save=1]
+        [local_every=K] [local_dir=PATH]
 
 Each rank draws its batch from (seed, step, rank), so a run stopped after k steps and
 resumed must end bit for bit where an uninterrupted run ends. Rank 0 writes DIR/final.pt.
@@ -41,7 +42,9 @@ def main(argv):
     world = cc.world()
     with abort_on_exception(world.comm):
         cfg = cc.config(every_steps=int(opts.get("every_steps", 0)), resume=opts.get("resume", "none"),
-                        async_save=opts.get("async_save") == "1", keep_last=2)
+                        async_save=opts.get("async_save") == "1", keep_last=2,
+                        local="local_every" in opts, local_every_steps=int(opts.get("local_every", 0)),
+                        local_dir=opts.get("local_dir", "/dev/shm"))
         state = cc.make_state(seed=5)
         mgr = CheckpointManager(os.path.join(directory, "checkpoints"), world, cfg, {"steps": steps})
         resumed = mgr.resume(state)

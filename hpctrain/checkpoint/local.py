@@ -1,0 +1,236 @@
+"""The node-local checkpoint level (``checkpoint.local``), as SCR and VeloC give MPI programs: frequent, cheap
+snapshots into storage on each node (``/dev/shm`` by default), between the collective HDF5 checkpoints.
+
+A snapshot is the HDF5 file's plan, kept as it would be written: each rank stores the rows it would write
+(its part, :mod:`.localfiles`) and sends a copy to a rank on the next node, so a part survives the loss of
+its own node. Two snapshots at most are kept per node (the newest complete one, and the one being written);
+the first snapshot says what that costs in memory. A snapshot holding NaN or infinity is refused like a save.
+
+Recovery (:meth:`LocalLevel.recover`, from :meth:`~.manager.CheckpointManager.resume`) takes the newest
+snapshot newer than the newest HDF5 checkpoint whose parts all survive somewhere. Its parts are read (and
+their checksums verified) by the ranks on the nodes that hold them, gathered on rank 0 and written as an
+ordinary checkpoint file of the directory: the snapshot becomes durable, and the run resumes from it through
+the one load path, on any number of ranks. Where a part survives nowhere, the run resumes from the HDF5 file
+and says how many steps that costs.
+"""
+import logging
+import os
+import shutil
+import time
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..runtime import fsutil
+from ..runtime.coordination import all_or_none, everywhere, on_root
+from . import commit, directory, localfiles, snapshot
+from . import format as fmt
+from .interval import AutoInterval
+from .localtransfer import copy_to_partner, gather_parts
+from .plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+KEPT = 2  # snapshots a node may hold at once: the newest complete one and the one being written
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+class LocalLevel:
+    """One run's node-local snapshots (``cfg``: the ``[checkpoint]`` section). All methods are collective over
+    ``world``'s ranks, except :meth:`due` and :meth:`call_ended` (rank 0's interval, inside ``on_root``).
+    ``budget_share``: the part of ``checkpoint.max_overhead`` this level may spend."""
+
+    def __init__(self, cfg, checkpoint_dir, world, budget_share=0.5):
+        self.world, self.comm = world, world.comm.Dup()  # its messages never meet training's
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        self.base = localfiles.base_dir(cfg.local_dir, self.checkpoint_dir)
+        self.ndir = localfiles.node_dir(self.base, world.node)
+        all_or_none(lambda: _check_local_dir(cfg.local_dir, world), self.comm)
+        self.nodes = self.comm.allgather(world.node)
+        dests, rank = localfiles.partners(self.nodes), self.comm.Get_rank()
+        self.dest, self.sources = dests[rank], [q for q, d in enumerate(dests) if d == rank]
+        self.leader = world.local_rank == 0  # one rank per node tidies the node's directory
+        self.every = cfg.local_every_steps
+        self.interval = (AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
+                         if cfg.auto_interval else None)
+        self.last_step = None
+        self.announced = False
+        self.off = None  # why the level stopped (no space), once it has
+
+    # -- when
+
+    def due(self, step, now, last_hdf5_step):
+        """Rank 0: is a snapshot due (counted from the last save of either level)?"""
+        if self.off is not None:
+            return False
+        last = max((s for s in (last_hdf5_step, self.last_step) if s is not None), default=None)
+        if self.interval is None:
+            return step != last and step - (last or 0) >= self.every
+        due = self.interval.due_at(step, now, last)
+        for line in self.interval.changes:
+            print(f"hpctrain: node-local {line}", flush=True)
+        self.interval.changes.clear()
+        return due
+
+    def call_ended(self, when, step, blocked=None):
+        if self.interval is not None:
+            self.interval.call_ended(when, step, blocked)
+
+    # -- saving
+
+    def save(self, state, planner, step, run_config=None):
+        """Snapshot ``state`` at ``step``; returns True once every part and copy is in place. A failure to
+        write (no space) warns on rank 0, removes the snapshot and turns the level off; NaN or infinity
+        raises :class:`~.format.NonFiniteState` on every rank, as a save does."""
+        comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
+        info = on_root(lambda: {"meta": snapshot.root_metadata(size, run_config, None, "local", step, "local", size),
+                                "rng": snapshot.rng_states()}, comm)
+        plan = planner.plan(state, info, True)
+        mark_finite(plan)
+        own, where = localfiles.part_path(self.ndir, step, rank), self.world.where()
+        error, bad, nbytes = None, [], 0
+        try:
+            nbytes, bad = localfiles.write_part(own, plan, rank, step, size, self.checkpoint_dir, self.world.node)
+        except OSError as exc:
+            error = f"{where}: writing {own}: {exc}"
+        stored, copy_error = copy_to_partner(comm, None if error else own, nbytes, self.dest, self.sources,
+                                             lambda q: localfiles.part_path(self.ndir, step, q), where)
+        outcome = comm.allgather((error or copy_error, bad, nbytes, stored))
+        errors = [e for e, _, _, _ in outcome if e]
+        if errors or any(b for _, b, _, _ in outcome):
+            shutil.rmtree(localfiles.step_dir(self.ndir, step), ignore_errors=True)
+            comm.Barrier()  # every node's copy of this snapshot is gone before anyone goes on
+            refuse_nonfinite(plan.datasets, [b for _, b, _, _ in outcome], fmt.checkpoint_name(step))
+            self.off = errors[0]
+            if rank == 0:
+                log.warning("node-local checkpoints turned off: %s; the HDF5 checkpoints go on as configured. "
+                            "HINT: give checkpoint.local_dir more space (or a local disk), or set "
+                            "checkpoint.local=false", errors[0])
+            return False
+        if not self.announced and rank == 0:
+            print(_memory_line(self.base, self.nodes, [(n, r) for _, _, n, r in outcome], self.dest, self.sources),
+                  flush=True)
+        self.announced = True
+        if self.leader:
+            localfiles.remove_steps(self.ndir, lambda s: s >= step)
+        self.last_step = step
+        return True
+
+    # -- recovery
+
+    def recover(self, newer_than, retention, verify=True):
+        """Make the newest complete snapshot after HDF5 step ``newer_than`` (None: no HDF5 checkpoint) an
+        ordinary checkpoint file of the directory; returns its path, or None (then the HDF5 file is the
+        newest, and rank 0 has said what an incomplete snapshot cost)."""
+        comm, is_root = self.comm, self.comm.Get_rank() == 0
+        seen = localfiles.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
+        everything = comm.gather(seen, root=0)
+        step, chosen, skipped = on_root(lambda: localfiles.choose(dict(enumerate(everything)), newer_than), comm)
+        if step is None:
+            if skipped and is_root:
+                print(_incomplete_line(skipped[0], newer_than), flush=True)
+            return None
+        started = time.monotonic()
+        try:
+            path = _write_snapshot_file(comm, step, chosen, self.checkpoint_dir, retention, verify)
+        except CheckpointError as exc:
+            if is_root:
+                log.warning("the node-local checkpoint of step %d could not be used (%s); resuming from the "
+                            "newest HDF5 checkpoint", step, str(exc).split("\nHINT:")[0])
+            return None
+        if is_root:
+            holders = sorted({self.nodes[r] for r, _, _ in chosen.values()})
+            copies = sorted(o for o, (_, _, copy) in chosen.items() if copy)
+            print(f"hpctrain: recovered step {step} from the node-local checkpoints on {', '.join(holders)}"
+                  f"{'' if newer_than is None else f' (the newest HDF5 checkpoint is of step {newer_than})'}, "
+                  f"written to {os.path.basename(path)} in {time.monotonic() - started:.2f} s"
+                  + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else ""),
+                  flush=True)
+        self.last_step = step
+        return path
+
+    # -- tidying
+
+    def discard_after(self, step):
+        """Remove the snapshots newer than ``step`` (the run went on from ``step``: they are another branch)."""
+        if self.leader:
+            localfiles.remove_steps(self.ndir, lambda s: s <= step)
+        self.comm.Barrier()
+
+    def clear(self):
+        """Remove this run's snapshots on every node of the job."""
+        if self.leader:
+            shutil.rmtree(self.ndir, ignore_errors=True)
+            try:
+                os.rmdir(self.base)  # the last node out removes the run's directory
+            except OSError:
+                pass
+        self.last_step = None
+        self.comm.Barrier()
+
+    def finish(self, last_hdf5_step):
+        """At the end of a run: the snapshots go once an HDF5 checkpoint is as new (else they hold the newest
+        state, and stay); the level's communicator is freed."""
+        newest = self.last_step
+        if newest is None or (last_hdf5_step is not None and last_hdf5_step >= newest):
+            self.clear()
+        elif self.comm.Get_rank() == 0:
+            log.warning("the newest state (step %d) is only in the node-local checkpoints under %s: kept, "
+                        "for a resume on the same nodes", newest, self.base)
+        self.comm.Free()
+
+
+def _write_snapshot_file(comm, step, chosen, checkpoint_dir, retention, verify):
+    """Collective: the parts of ``step`` gathered on rank 0 and written, by rank 0, as the checkpoint of that
+    step (verified, renamed into place, ``latest`` and retention applied); its path."""
+    full, specs, problem = gather_parts(comm, chosen)
+    problem, specs = comm.bcast((problem, specs), root=0)
+    if problem:
+        raise everywhere(CheckpointError(problem))
+    final = os.path.join(checkpoint_dir, fmt.checkpoint_name(step))
+    info = on_root(lambda: (directory.check_writable(checkpoint_dir),
+                            {"final": final, "tmp": fsutil.temp_name(final)})[1], comm)
+    datasets = [DatasetPlan(s["path"], tuple(s["shape"]), np.dtype(s["dtype"]), s["attrs"],
+                            [(0, fmt.rows(tuple(s["shape"]), 0, s["shape"][0] if s["shape"] else 0))],
+                            None if full is None else full[i], finite=s["finite"])
+                for i, s in enumerate(specs["datasets"])]
+    root = dict(specs["root_attrs"], io_mode="local", nwriters=1, reason="local")
+    return commit.write_and_publish(WritePlan(datasets, root, specs["group_attrs"]), info, comm, False, verify,
+                                    retention)
+
+
+def _memory_line(base, nodes, sizes, dest, sources):
+    """Rank 0's line at the first snapshot: where, and the most memory (or disk) a node's snapshots take."""
+    per_node = {}
+    for node, (own, copies) in zip(nodes, sizes):
+        per_node[node] = per_node.get(node, 0) + own + copies
+    node, most = max(per_node.items(), key=lambda kv: kv[1])
+    try:
+        st = os.statvfs(base)
+        free = f", {_mib(st.f_bavail * st.f_frsize)} free there now"
+    except OSError:
+        free = ""
+    copies = ("each part also kept on the next node" if dest is not None or sources
+              else "one node: no copies on another node, so the level survives a rank's loss, not the node's")
+    return (f"hpctrain: node-local checkpoints in {base}/<node>: at most {_mib(KEPT * most)} per node "
+            f"({KEPT} snapshots of {_mib(most)} on {node}; {copies}){free}")
+
+
+def _incomplete_line(skipped, newer_than):
+    lost, missing = skipped
+    back = "step 0" if newer_than is None else f"the HDF5 checkpoint of step {newer_than}"
+    return (f"hpctrain: the node-local checkpoint of step {lost} is incomplete: the parts of rank(s) "
+            f"{', '.join(map(str, missing))} survive on no node of the job (nor any copy of them); "
+            f"resuming from {back} instead: {lost - (newer_than or 0)} steps to compute again")
+
+
+def _check_local_dir(local_dir, world):
+    """This rank's node can keep snapshots in ``local_dir``."""
+    if not os.path.isdir(local_dir) or not os.access(local_dir, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint.local_dir = {local_dir!r} is not a writable directory on "
+                              f"{world.node}",
+                              hint="name a directory that exists on every node: /dev/shm (memory), or a local "
+                                   "disk such as /tmp or $TMPDIR")

@@ -1,0 +1,134 @@
+"""The node-local checkpoint level's pure logic: where copies go, which step a recovery takes, the part
+files (complete, incomplete, damaged), and the configuration's refusals. Its runs with real MPI ranks are in
+test_local_checkpoints_mpi.py and test_slurm_multinode.py."""
+import numpy as np
+import pytest
+
+from hpctrain.checkpoint import format as fmt
+from hpctrain.checkpoint import localfiles
+from hpctrain.checkpoint.plan import DatasetPlan, WritePlan
+from hpctrain.config import load_config, validate
+from hpctrain.errors import ConfigError
+
+
+@pytest.mark.parametrize("nodes, expected", [
+    (["a", "a"], [None, None]),                      # one node: a copy there survives nothing more
+    (["a", "b", "c"], [1, 2, 0]),                    # one rank per node: the next node's
+    (["a", "a", "b", "b"], [2, 3, 0, 1]),            # same place among the next node's ranks
+    (["a", "a", "a", "b"], [3, 3, 3, 0]),            # uneven: wraps round the smaller node
+    (["b", "a", "b", "a"], [1, 0, 3, 2]),            # nodes in the order of their first rank
+])
+def test_partners_are_on_the_next_node(nodes, expected):
+    dest = localfiles.partners(nodes)
+    assert dest == expected
+    for r, d in enumerate(dest):
+        assert d is None or nodes[d] != nodes[r]
+
+
+def part(step, owner, nranks=3, rank_copy=False):
+    return (step, owner, nranks, f"/x/step-{step:08d}/part-{owner:05d}.bin", rank_copy)
+
+
+def test_choose_takes_the_newest_complete_step_newer_than_the_hdf5_one():
+    found = {0: [part(12, 0), part(12, 2, rank_copy=True), part(9, 0), part(9, 2, rank_copy=True)],
+             1: [part(12, 1), part(9, 1), part(9, 0, rank_copy=True)], 2: []}
+    step, chosen, skipped = localfiles.choose(found, newer_than=10)
+    assert step == 12 and skipped == []
+    assert {o: (r, c) for o, (r, _, c) in chosen.items()} == {0: (0, False), 1: (1, False), 2: (0, True)}
+    assert localfiles.choose(found, newer_than=12)[0] is None  # the HDF5 file is as new: nothing to do
+
+
+def test_choose_skips_an_incomplete_step_and_says_which_parts_are_missing():
+    found = {0: [part(12, 0), part(9, 0), part(9, 2, rank_copy=True)], 1: [part(9, 1), part(12, 2)]}
+    step, chosen, skipped = localfiles.choose(found, newer_than=None)
+    assert step == 9 and skipped == [(12, [1])]
+    assert sorted(chosen) == [0, 1, 2]
+    step, _, skipped = localfiles.choose({0: [part(12, 0)]}, newer_than=5)
+    assert step is None and skipped == [(12, [1, 2])]
+
+
+def test_choose_spreads_the_reading_over_the_holders():
+    everywhere = [part(4, o, nranks=4) for o in range(4)]
+    step, chosen, _ = localfiles.choose({0: everywhere, 1: everywhere}, newer_than=None)
+    assert step == 4 and sorted(r for r, _, _ in chosen.values()) == [0, 0, 1, 1]
+
+
+def sample_plan(rank):
+    """A two-rank plan: a matrix split by rows, a scalar on rank 0, a vector on rank 1."""
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    s = np.array(7, dtype=np.int64)
+    v = np.arange(5, dtype=np.uint16)
+    datasets = [
+        DatasetPlan("model/w", w.shape, w.dtype, {fmt.DTYPE_ATTR: "float32"},
+                    [(0, fmt.rows(w.shape, 0, 2)), (1, fmt.rows(w.shape, 2, 4))],
+                    w[0:2] if rank == 0 else w[2:4], finite=True),
+        DatasetPlan("trainer/s", s.shape, s.dtype, {fmt.DTYPE_ATTR: "int64"}, [(0, ())], s if rank == 0 else None),
+        DatasetPlan("model/v", v.shape, v.dtype, {fmt.DTYPE_ATTR: "bfloat16"}, [(1, fmt.rows(v.shape, 0, 5))],
+                    v if rank == 1 else None),
+    ]
+    return WritePlan(datasets, {"step": 3, "nranks": np.int64(2)}, {"trainer": {"epoch": 1}}), (w, s, v)
+
+
+def test_a_part_file_round_trips_and_holds_only_its_rows(tmp_path):
+    plan, (w, s, v) = sample_plan(1)
+    path = localfiles.part_path(localfiles.node_dir(tmp_path, "n1"), 3, 1)
+    size, bad = localfiles.write_part(path, plan, 1, 3, 2, tmp_path / "ckpt", "n1")
+    assert bad == [] and size == (tmp_path / "n1" / "step-00000003" / "part-00001.bin").stat().st_size
+    meta = localfiles.read_trailer(path)
+    assert (meta["step"], meta["owner"], meta["nranks"], meta["node"]) == (3, 1, 2, "n1")
+    assert meta["root_attrs"] == {"step": 3, "nranks": 2}
+    pieces = localfiles.pieces(meta, localfiles.read_data(path, meta))
+    assert [(i, region) for i, region, _ in pieces] == [(0, ((2, 4), (0, 3))), (2, ((0, 5),))]
+    assert np.array_equal(pieces[0][2].view(np.float32).reshape(2, 3), w[2:4])
+    assert np.array_equal(pieces[1][2].view(np.uint16), v)
+    assert localfiles.scan_node(tmp_path / "n1", tmp_path / "ckpt") == [(3, 1, 2, path, False)]
+    assert localfiles.scan_node(tmp_path / "n1", tmp_path / "other-run") == []  # another run's: not ours
+
+
+def test_a_truncated_or_damaged_part_is_never_taken(tmp_path):
+    plan, _ = sample_plan(0)
+    ndir = localfiles.node_dir(tmp_path, "n1")
+    path = localfiles.part_path(ndir, 3, 0)
+    localfiles.write_part(path, plan, 0, 3, 2, tmp_path, "n1")
+    data = bytearray(open(path, "rb").read())
+    with open(path, "wb") as f:  # killed before the end mark
+        f.write(data[:-5])
+    with pytest.raises(localfiles.PartDamaged, match="incomplete"):
+        localfiles.read_trailer(path)
+    assert localfiles.scan_node(ndir, tmp_path) == []
+    data[len(localfiles.MAGIC) + 3] ^= 0x40  # a flipped bit in the rows of model/w
+    with open(path, "wb") as f:
+        f.write(data)
+    meta = localfiles.read_trailer(path)
+    with pytest.raises(localfiles.PartDamaged, match="model/w do not match their checksum"):
+        localfiles.read_data(path, meta)
+    (tmp_path / "n1" / "step-00000003" / "part-00001.bin.tmp-99").write_bytes(b"half")  # a copy cut short
+    assert [f[1] for f in localfiles.scan_node(ndir, tmp_path)] == [0]
+
+
+def test_a_part_with_nan_is_reported_for_refusal(tmp_path):
+    plan, _ = sample_plan(0)
+    plan.datasets[0].mine = np.array([[1, np.nan, 3], [4, 5, 6]], dtype=np.float32)
+    _, bad = localfiles.write_part(localfiles.part_path(tmp_path, 1, 0), plan, 0, 1, 2, tmp_path, "n1")
+    assert bad == [0]
+
+
+def test_remove_steps_keeps_what_it_is_told(tmp_path):
+    for step in (3, 6, 9):
+        (tmp_path / f"step-{step:08d}").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    localfiles.remove_steps(tmp_path, lambda s: s >= 6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009", "unrelated"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["checkpoint.local=true"], "no interval for it"),
+    (["checkpoint.local_every_steps=5"], "only used with checkpoint.local = true"),
+    (["checkpoint.local=true", "checkpoint.local_every_steps=-1"], "local_every_steps"),
+    (["checkpoint.local=true", "checkpoint.local_every_steps=5", "parallel.stages=2"], "not supported"),
+])
+def test_local_level_configuration_errors_name_the_fix(overrides, message):
+    from mpi_harness import ROOT
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(ROOT / "examples" / "digits.toml", overrides, environ={}), world_size=4)
