@@ -10,6 +10,7 @@ default configuration from there."""
 from pathlib import Path
 
 from .. import settings
+from ..runtime.fsutil import write_text
 
 SUMMARY = "data-parallel PyTorch training on HPC clusters (Horovod, MPI, parallel HDF5 checkpoints)"
 
@@ -79,6 +80,6 @@ def modulefile_paths(record):
 def write_modulefiles(record):
     lua, tcl = modulefile_paths(record)
     lua.parent.mkdir(parents=True, exist_ok=True)
-    lua.write_text(lua_modulefile(record))
-    tcl.write_text(tcl_modulefile(record))
+    write_text(lua, lua_modulefile(record))
+    write_text(tcl, tcl_modulefile(record))
     return lua, tcl

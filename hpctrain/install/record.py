@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..runtime.fsutil import write_text
+
 RECORD_FORMAT = 1
 # Names of loaded modules taken to provide the MPI or the HDF5 the packages are compiled against.
 STACK_MODULE_PATTERN = re.compile(r"mpi|mvapich|hdf5", re.IGNORECASE)
@@ -75,12 +77,9 @@ def read_record(path):
 
 
 def write_record(record, path):
-    """Write ``record`` to ``path`` whole or not at all (a temp name, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
-    os.replace(tmp, path)
+    """Write ``record`` to ``path`` whole or not at all (:func:`hpctrain.runtime.fsutil.write_text`)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(asdict(record), indent=2) + "\n")
 
 
 def installation_of(python_prefix=None):
