@@ -117,8 +117,11 @@ def _root_or_skip():
 def lmod():
     if not LMOD_INIT.exists():
         _root_or_skip()
-        subprocess.run(["apt-get", "install", "-y", "-qq", "lmod"], check=True, timeout=300,
-                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"), capture_output=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        install = ["apt-get", "install", "-y", "-qq", "lmod"]
+        if subprocess.run(install, timeout=300, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], check=True, timeout=300, env=env, capture_output=True)
+            subprocess.run(install, check=True, timeout=300, env=env, capture_output=True)
     return LMOD_INIT
 
 
