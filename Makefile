@@ -4,6 +4,9 @@
 #   make test    run the whole test suite (unit, real mpirun, real Slurm, end-to-end)
 #   make setup   build the stack into .venv (idempotent; both targets above call it)
 #   make bench   benchmarks (communication, training step, checkpoint I/O)
+#   make install PREFIX=/opt/hpctrain/<version> [MODULEFILES=DIR]
+#                one installation for every user of a cluster, with a modulefile
+#                (scripts/install.sh; MODULEFILES defaults to $(PREFIX)/modulefiles)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,10 +16,13 @@ NP ?= 2
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench doctor clean
+.PHONY: setup install demo test test-fast bench doctor clean
 
 setup:
 	@bash scripts/setup.sh
+
+install:
+	@PREFIX="$(PREFIX)" $(if $(MODULEFILES),MODULEFILES="$(MODULEFILES)") bash scripts/install.sh
 
 doctor: setup
 	@$(VENV)/bin/hpctrain doctor

@@ -6,6 +6,7 @@ when used, so ``hpctrain --help`` and ``hpctrain doctor`` stay fast on a login n
     hpctrain launch [-n N] CONFIG [k=v]       start the ranks, restart the job after a failure
     hpctrain ckpt list|inspect|verify|export  work with checkpoints
     hpctrain report RUN_DIR                   plots and a summary of a run
+    hpctrain examples [--copy DIR]            where the examples and job scripts are; copy them
 """
 import argparse
 import importlib
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "launch": ("hpctrain.commands.launch", "start the ranks of a training job and restart it when it fails"),
     "ckpt": ("hpctrain.commands.ckpt", "list, inspect, verify and export checkpoints"),
     "report": ("hpctrain.commands.report", "write plots and a summary of a finished run"),
+    "examples": ("hpctrain.commands.examples", "print where the examples and job scripts are, or copy them (--copy DIR)"),
 }
 
 

@@ -19,7 +19,8 @@ HPCTRAIN_MALLOC            ``reuse``: glibc keeps large blocks for reuse     uns
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
-(``scripts/setup.sh``), ``HPCTRAIN_VENV``, ``HPCTRAIN_RUN_ROOT``, ``HPCTRAIN_MAX_REQUEUES``,
+(``scripts/setup.sh``), ``HPCTRAIN_VENV``, ``HPCTRAIN_HOME`` (the site installation's prefix, set by
+``module load hpctrain``: :mod:`hpctrain.install.modulefiles`), ``HPCTRAIN_RUN_ROOT``, ``HPCTRAIN_MAX_REQUEUES``,
 ``HPCTRAIN_MAX_STALLED_STARTS``, ``HPCTRAIN_MAX_RESTARTS`` and ``HPCTRAIN_LAUNCH_ARGS``
 (``slurm/*.sbatch``); each is described where it is read.
 

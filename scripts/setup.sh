@@ -2,6 +2,7 @@
 # One idempotent setup of the hpctrain stack into ./.venv.
 #
 #   make setup            (or: bash scripts/setup.sh)
+#   VENV=/opt/hpctrain/0.1.0/venv SETUP_MODE=site bash scripts/setup.sh   (what `make install` runs)
 #
 # Order of preference for MPI and parallel HDF5:
 #   1. what the cluster's modules put on PATH (mpicc; h5pcc, HDF5_DIR or pkg-config),
@@ -14,7 +15,10 @@
 #
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 # TORCH_SPEC (pip requirement for torch, default torch==2.13.0), HPCTRAIN_CACHE,
-# HPCTRAIN_BUILD_JOBS (parallel compile jobs, default: number of cores).
+# HPCTRAIN_BUILD_JOBS (parallel compile jobs, default: number of cores),
+# SETUP_MODE (`dev`, the default: hpctrain installed editable from this checkout, plus what the
+# tests need; `site`: a normal install of hpctrain that works without the checkout, no test extras),
+# SETUP_FACTS (a file to write what the stack was built against, as shell assignments).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -25,6 +29,8 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 HOROVOD_VERSION=0.28.1
 CACHE=${HPCTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hpctrain}/wheels
 JOBS=${HPCTRAIN_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
+SETUP_MODE=${SETUP_MODE:-dev}
+case $SETUP_MODE in dev|site) ;; *) echo "[setup] ERROR: SETUP_MODE=$SETUP_MODE; expected dev or site" >&2; exit 2 ;; esac
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -172,7 +178,7 @@ fi
 # tests install it from this file and never reach the network.
 H5PY_VERSION=$("$PY" -c 'from importlib.metadata import version; print(version("h5py"))')
 SERIAL_H5PY="$CACHE/h5py-serial-$H5PY_VERSION-$PYVER"
-if ! ls "$SERIAL_H5PY"/h5py-*.whl >/dev/null 2>&1; then
+if [ "$SETUP_MODE" = dev ] && ! ls "$SERIAL_H5PY"/h5py-*.whl >/dev/null 2>&1; then
   say "downloading the serial h5py $H5PY_VERSION wheel once, for the tests (into $SERIAL_H5PY)"
   mkdir -p "$SERIAL_H5PY"
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
@@ -191,10 +197,36 @@ rm -f "$HOROVOD_WHEEL_PATH"
 # ---------------------------------------------------------------- hpctrain itself
 # With the dependencies setup.cfg declares (torch, mpi4py, h5py and Horovod are deliberately
 # not among them: they are the builds above), and the extras the tests and the digits example use.
-pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
-  && [ -x "$VENV/bin/hpctrain" ] \
-  && pyok 'import tqdm, matplotlib, sklearn, safetensors' \
-  && { [ "$(uname -m)" != x86_64 ] || pyok 'import isal'; } \
-  || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors]"; }
+if [ "$SETUP_MODE" = site ]; then
+  # A wheel of this checkout, installed as any package: the environment no longer needs the checkout.
+  # Built from a copy of the sources, so that no build output of an earlier install slips in.
+  say "installing hpctrain (from a wheel of $ROOT) and its dependencies"
+  wheeldir=$(mktemp -d)
+  mkdir "$wheeldir/src"
+  cp -R "$ROOT"/hpctrain "$ROOT"/setup.cfg "$ROOT"/pyproject.toml "$ROOT"/README.md "$wheeldir/src/"
+  find "$wheeldir/src" -name __pycache__ -prune -exec rm -rf {} +
+  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation "$wheeldir/src" -w "$wheeldir" \
+    || { rm -rf "$wheeldir"; die "building the hpctrain wheel failed (see above)"; }
+  whl=$(ls "$wheeldir"/hpctrain-*.whl)
+  "${PIP[@]}" --no-deps --force-reinstall "$whl"
+  "${PIP[@]}" "$whl[examples,safetensors]"
+  rm -rf "$wheeldir"
+else
+  pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
+    && [ -x "$VENV/bin/hpctrain" ] \
+    && pyok 'import tqdm, matplotlib, sklearn, safetensors' \
+    && { [ "$(uname -m)" != x86_64 ] || pyok 'import isal'; } \
+    || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors]"; }
+fi
+
+if [ -n "${SETUP_FACTS:-}" ]; then
+  # What the compiled packages were built against, for `make install`'s record (shell-quoted).
+  {
+    printf 'MPIRUN=%q\nMPICC=%q\nMPI_VERSION_LINE=%q\nMPI_VERSION=%q\n' "$(command -v mpirun)" "$(command -v mpicc)" \
+      "$(mpirun --version 2>&1 | head -n1)" "${MPI_VERSION:-}"
+    printf 'HDF5_VERSION=%q\nHDF5_DIR=%q\nHDF5_PKGCONFIG_NAME=%q\n' "$HDF5_VERSION" "${HDF5_DIR:-}" "${HDF5_PKGCONFIG_NAME:-}"
+    printf 'TORCH_VERSION=%q\nCUDA=%q\nPYTHON_VERSION=%q\n' "$TORCH_VERSION" "$CUDA" "$("$PY" -c 'import platform; print(platform.python_version())')"
+  } >"$SETUP_FACTS"
+fi
 
 say "done: $VENV ready (torch $TORCH_VERSION). Check it with: $VENV/bin/hpctrain doctor"

@@ -22,7 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hpctrain"
 LAYERS = (
     ("__init__", "errors", "settings", "state"),  # the base: imports nothing of hpctrain
     ("runtime",),  # this process in the job: MPI world, node, files, Slurm, coordination
-    ("config",),  # the schema, loading, validation
+    ("config", "install"),  # the schema, loading, validation; a site installation's record and modulefiles
     ("data", "models", "backends"),
     ("checkpoint",),
     ("parallel",),

@@ -5,18 +5,24 @@
     hpctrain doctor --json          # machine-readable
 
 Exit status 0 only when the stack can run a parallel job; each missing piece is a line that names the fix.
+From a site installation (``make install``, ``module load hpctrain``) it first compares the MPI on PATH and
+the loaded modules with those the installation was built against (:mod:`hpctrain.install.record`); when they
+differ it says so and loads neither mpi4py, h5py nor Horovod, which would fail inside MPI start-up.
 Versions come from package metadata where possible; torch and Horovod are imported only to check that their
 compiled parts really load (Horovod in :func:`hpctrain.backends.horovod_backend.build_info`, the one module
 that imports it)."""
 import argparse
 import json
+import os
 import platform
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
 from .. import __version__, settings
+from ..install.record import hdf5_problem, installation_of, parse_loaded_modules, stack_problems
 from ..runtime.world import launch_info, launch_problems, node_name
 
 SETUP_HINT = "run `make setup` in the hpctrain checkout"
@@ -93,7 +99,7 @@ def check_mpirun():
                  "module load openmpi (or: apt-get install openmpi-bin)")
 
 
-def check_h5py():
+def check_h5py(record=None):
     v = _version("h5py")
     if v is None:
         return Check("h5py", False, "not installed", f"{SETUP_HINT} (builds h5py against parallel HDF5)")
@@ -103,6 +109,9 @@ def check_h5py():
         return Check("h5py", False, f"{v}, import failed: {exc}", "load the HDF5 module h5py was built against")
     parallel = bool(h5py.get_config().mpi)
     detail = f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, {'parallel (mpio)' if parallel else 'SERIAL'}"
+    problem = hdf5_problem(record, h5py.version.hdf5_version) if record is not None and parallel else None
+    if problem is not None:
+        return Check("h5py", False, f"{detail}: {problem.text}", problem.fix)
     return Check("h5py", parallel, detail,
                  "h5py was built without MPI: rebuild it against parallel HDF5 with "
                  "`CC=mpicc HDF5_MPI=ON pip install --no-binary=h5py --no-build-isolation h5py` "
@@ -147,16 +156,61 @@ def check_launch(comm):
     return Check("launcher", True, detail), info, rank, size
 
 
+def check_installation():
+    """Whether this runs from a site installation (its record), and the line that says so."""
+    try:
+        record = installation_of()
+    except ValueError as exc:
+        text, _, hint = str(exc).partition("\nHINT: ")
+        return None, Check("install", False, text, hint)
+    if record is None:
+        return None, Check("install", True, f"{sys.prefix} (an environment of its own, e.g. a checkout's .venv; "
+                                            "no site installation record)")
+    return record, Check("install", True, f"site installation hpctrain {record.version} in {record.prefix} "
+                                          f"(module {record.module}), built against {record.built_against()}")
+
+
+def _mpirun_version_line(path):
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"({path} --version failed: {exc})"
+    return ((proc.stdout or proc.stderr).strip().splitlines() or [""])[0]
+
+
+def check_stack(record):
+    """The MPI on PATH and the loaded modules against those ``record`` was built with."""
+    path = shutil.which("mpirun")
+    loaded = parse_loaded_modules(os.environ.get("LOADEDMODULES"))
+    problems = stack_problems(record, path, _mpirun_version_line(path) if path else None, loaded)
+    if not problems:
+        return Check("stack", True, f"MPI and modules as at install time ({record.mpi_version_line}, {path})")
+    required = [p for p in problems if p.required]
+    first = (required or problems)[0]
+    detail = "; ".join(p.text for p in problems)
+    if required:
+        detail += " (mpi4py, h5py and Horovod not loaded: they would fail inside MPI start-up)"
+    return Check("stack", False, detail, first.fix, required=bool(required))
+
+
 def run_checks():
     """Run every check in this process; returns a dict (JSON-ready) and the checks."""
-    checks = [check_python(), check_numpy()]
+    record, install_check = check_installation()
+    checks = [install_check, check_python(), check_numpy()]
     torch_check, cuda = check_torch()
     checks.append(torch_check)
-    mpi_check, comm, mpi_lib = check_mpi()
-    checks += [mpi_check, check_mpirun(), check_h5py()]
-    horovod_required = (settings.get("BACKEND") or "horovod") == "horovod"
-    hvd_check, hvd_build = check_horovod(horovod_required, cuda)
-    checks.append(hvd_check)
+    stack_check = check_stack(record) if record is not None else None
+    comm, mpi_lib, hvd_build = None, "", {}
+    if stack_check is not None:
+        checks.append(stack_check)
+    if stack_check is None or stack_check.ok or not stack_check.required:
+        mpi_check, comm, mpi_lib = check_mpi()
+        checks += [mpi_check, check_mpirun(), check_h5py(record)]
+        horovod_required = (settings.get("BACKEND") or "horovod") == "horovod"
+        hvd_check, hvd_build = check_horovod(horovod_required, cuda)
+        checks.append(hvd_check)
+    else:
+        checks.append(check_mpirun())
     launch_check, info, rank, size = check_launch(comm)
     checks.append(launch_check)
     report = {
@@ -179,28 +233,22 @@ def run_checks():
         "h5py_parallel": _h5py_parallel(),
         "horovod_build": hvd_build,
         "cuda": cuda,
+        "installation": asdict(record) if record is not None else None,
         "checks": [asdict(c) for c in checks],
         "ok": all(c.ok or not c.required for c in checks),
     }
     return report, checks, comm
 
 
+# From the h5py the checks imported: importing it here, after a stack check failed, would start MPI.
 def _hdf5_version():
-    try:
-        import h5py
-
-        return h5py.version.hdf5_version
-    except Exception:
-        return None
+    h5py = sys.modules.get("h5py")
+    return h5py.version.hdf5_version if h5py is not None else None
 
 
 def _h5py_parallel():
-    try:
-        import h5py
-
-        return bool(h5py.get_config().mpi)
-    except Exception:
-        return False
+    h5py = sys.modules.get("h5py")
+    return bool(h5py.get_config().mpi) if h5py is not None else False
 
 
 def main(argv=None):
