@@ -378,3 +378,13 @@ def test_startup_parts_follow_each_other_from_the_process_start(monkeypatch):
     startup.mark("mpi")
     assert startup.take() == {"imports": 1.0, "mpi": 1.5}  # from the process start, then from "imports"
     assert startup.take() == {}  # cleared: a second fit in this process reports its own parts
+
+
+def test_mpirun_ends_the_other_ranks_of_a_failed_launch_without_a_grace(monkeypatch):
+    monkeypatch.delenv("OMPI_MCA_odls_base_sigkill_timeout", raising=False)
+    cmd = Mpirun().command(2, None, ["python", "x.py"])
+    assert cmd[cmd.index("--mca") + 1:cmd.index("--mca") + 3] == ["odls_base_sigkill_timeout", "0"]
+    own = Mpirun(["--mca", "odls_base_sigkill_timeout", "3"]).command(2, None, ["python", "x.py"])
+    assert own.count("odls_base_sigkill_timeout") == 1 and own[own.index("odls_base_sigkill_timeout") + 1] == "3"
+    monkeypatch.setenv("OMPI_MCA_odls_base_sigkill_timeout", "2")
+    assert "odls_base_sigkill_timeout" not in Mpirun().command(2, None, ["python", "x.py"])
