@@ -122,7 +122,6 @@ def test_remove_steps_keeps_what_it_is_told(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["checkpoint.local=true"], "no interval for it"),
     (["checkpoint.local_every_steps=5"], "only used with checkpoint.local = true"),
     (["checkpoint.local=true", "checkpoint.local_every_steps=-1"], "local_every_steps"),
     (["checkpoint.local=true", "checkpoint.local_every_steps=5", "parallel.stages=2"], "not supported"),

@@ -32,6 +32,8 @@ from .plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
 log = logging.getLogger("hpctrain.checkpoint")
 
 KEPT = 2  # snapshots a node may hold at once: the newest complete one and the one being written
+# With neither local_every_steps nor auto_interval: snapshots as often as 1% of the wall time allows.
+DEFAULT_OVERHEAD = 0.01
 
 
 def _mib(nbytes):
@@ -54,8 +56,10 @@ class LocalLevel:
         self.dest, self.sources = dests[rank], [q for q, d in enumerate(dests) if d == rank]
         self.leader = world.local_rank == 0  # one rank per node tidies the node's directory
         self.every = cfg.local_every_steps
-        self.interval = (AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
-                         if cfg.auto_interval else None)
+        if cfg.auto_interval:
+            self.interval = AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
+        else:
+            self.interval = None if self.every else AutoInterval(DEFAULT_OVERHEAD)
         self.last_step = None
         self.announced = False
         self.off = None  # why the level stopped (no space), once it has

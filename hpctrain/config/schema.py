@@ -69,7 +69,7 @@ class CheckpointConfig:
     # The node-local level (docs/checkpoint-format.md, "Node-local checkpoints"): snapshots into storage on
     # each node, with a copy on the next node, between the HDF5 checkpoints; resume takes the newer.
     local: bool = False
-    local_every_steps: int = 0  # steps between snapshots; 0 with auto_interval: chosen from their cost
+    local_every_steps: int = 0  # steps between snapshots; 0: chosen from their cost (auto_interval's budget, else 1%)
     local_dir: str = "/dev/shm"  # RAM-backed by default; a local disk's path works too
 
 

@@ -234,12 +234,7 @@ def _check_checkpoint(k):
 
 
 def _check_local(k):
-    """``[checkpoint]``: the node-local level needs an interval, and its keys need it."""
-    if k.local and not (k.local_every_steps or k.auto_interval):
-        raise ConfigError("checkpoint.local = true, but no interval for it: checkpoint.local_every_steps is 0 "
-                          "and checkpoint.auto_interval is false",
-                          hint="e.g. checkpoint.local_every_steps=50, or checkpoint.auto_interval=true with "
-                               "checkpoint.max_overhead=0.02 to choose both levels' intervals")
+    """``[checkpoint]``: the node-local level's keys need it."""
     if not k.local and k.local_every_steps:
         raise ConfigError(f"checkpoint.local_every_steps = {k.local_every_steps} is only used with "
                           f"checkpoint.local = true, which is false",
