@@ -1,0 +1,160 @@
+"""Effective training time ratio (ETTR) under failures: ``hpctrain launch -n 2`` trains for M minutes while a
+random rank is SIGKILLed every T seconds (each wait drawn uniformly from [T/2, 3T/2]); an uninterrupted run
+of the same length, in the same command, is the reference.
+
+    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,local] [--out DIR]
+
+ETTR = steps kept / steps the uninterrupted run made in the same wall time. Each run starts from nothing
+(its first start-up counts, as in the reference) and is stopped after M minutes with SIGUSR1 (hpctrain's stop:
+the ranks save and exit); steps kept are the step of that last checkpoint. Per failure: the restart's cost
+from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown), and the
+steps computed again. Configurations: ``defaults`` (what a user gets: a checkpoint per epoch of 1024
+steps), ``local`` (``checkpoint.local = true``, its interval chosen by hpctrain). The model: an MLP of
+0.56M parameters on the generated teacher data (65536 samples, global batch 64). The load average is recorded
+before and after each run; run nothing else meanwhile.
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from run_all import mpi_env  # noqa: E402
+
+from hpctrain.monitoring.report import restart_costs  # noqa: E402
+
+MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",
+         "data.generate=teacher", "data.val=none", "train.max_steps=1000000000", "train.epochs=100000",
+         "monitor.progress=log", "monitor.log_every=20"]
+CONFIGS = {"defaults": [], "local": ["checkpoint.local=true"]}
+
+
+def rank_pids(run_dir):
+    """The ranks of the run in ``run_dir`` (python processes of ``hpctrain train``, not mpirun or the
+    supervisor)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        text = b" ".join(argv).decode(errors="replace")
+        if (f"run.run_dir={run_dir}" in text and " train " in f" {text} " and "launch" not in text
+                and not os.path.basename(argv[0].decode(errors="replace")).startswith(("mpirun", "orted", "prterun"))):
+            pids.append(int(entry))
+    return pids
+
+
+def final_step(run_dir):
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.exists(latest):
+        return 0
+    return int(open(latest).read().strip()[5:13])
+
+
+def one_run(name, config, minutes, every, out, data):
+    run_dir = os.path.join(out, name)
+    cmd = [os.path.join(ROOT, ".venv", "bin", "hpctrain"), "launch", "-n", "2", "--max-restarts", "1000",
+           os.path.join(ROOT, "examples", "digits.toml"), f"data.path={data}", f"run.run_dir={run_dir}",
+           *MODEL, *CONFIGS[config]]
+    load_before = os.getloadavg()
+    log = open(os.path.join(out, f"{name}.log"), "w")
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=mpi_env(), cwd=ROOT)
+    rng, kills = random.Random(f"{name}"), []
+    end = started + minutes * 60
+    next_kill = started + (rng.uniform(every / 2, 3 * every / 2) if every else float("inf"))
+    while time.monotonic() < end:
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        if time.monotonic() >= next_kill:
+            pids = rank_pids(run_dir)
+            if pids:
+                victim = rng.choice(pids)
+                os.kill(victim, signal.SIGKILL)
+                kills.append(round(time.monotonic() - started, 1))
+            next_kill = time.monotonic() + rng.uniform(every / 2, 3 * every / 2)
+    proc.send_signal(signal.SIGUSR1)  # stop: the ranks save and exit 3
+    try:
+        code = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "timeout"
+    wall = time.monotonic() - started
+    log.close()
+    records = []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        records = [json.loads(line) for line in open(path) if line.strip()]
+    restarts = [r for r in records if r.get("kind") == "restart"]
+    return {"name": name, "config": config, "every_s": every, "minutes": minutes, "exit": code,
+            "wall_s": round(wall, 1), "steps": final_step(run_dir), "kills_at_s": kills,
+            "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
+            "restart_costs": restart_costs(records), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def summary(run, reference):
+    costs = [c["total"] for c in run["restart_costs"] if c["total"] is not None]
+    parts = {}
+    for c in run["restart_costs"]:
+        for k, v in c["parts"].items():
+            parts.setdefault(k, []).append(v)
+    spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
+    lost = [s for s in run["steps_lost"] if isinstance(s, (int, float))]
+    return {"ettr": round(run["steps"] / reference["steps"], 3) if reference["steps"] else None,
+            "restart_s": spread(costs), "parts_s": {k: spread(v) for k, v in parts.items()},
+            "steps_lost": spread(lost), "steps_lost_total": sum(lost)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=4.0)
+    ap.add_argument("--every", default="60,120", help="seconds between kills (mean), comma-separated")
+    ap.add_argument("--configs", default="defaults,local")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench-results", time.strftime("ettr-%Y%m%d-%H%M%S")))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    data = os.path.join(args.out, "teacher.h5")
+    subprocess.run([sys.executable, "-c", "import sys; from hpctrain.config import load_config; "
+                    "from hpctrain.data import generate; c = load_config(sys.argv[1], sys.argv[2:]); "
+                    "generate(c.data, c.model, seed=c.run.seed)", os.path.join(ROOT, "examples", "digits.toml"),
+                    f"data.path={data}", *MODEL], check=True, cwd=ROOT, env=mpi_env())
+    results = {"reference": one_run("reference", "defaults", args.minutes, 0, args.out, data)}
+    print(json.dumps(results["reference"]), flush=True)
+    for every in [float(e) for e in args.every.split(",")]:
+        for config in args.configs.split(","):
+            name = f"{config}-every{int(every)}s"
+            run = one_run(name, config, args.minutes, every, args.out, data)
+            run["summary"] = summary(run, results["reference"])
+            results[name] = run
+            print(json.dumps(run), flush=True)
+    with open(os.path.join(args.out, "ettr.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    ref = results["reference"]
+    print(f"\nreference: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
+          f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f})")
+    print("| run | ETTR | kills | restarts | restart s, median (min-max) | steps lost per restart | load before/after |")
+    print("|---|---|---|---|---|---|---|")
+    for name, run in results.items():
+        if name == "reference":
+            continue
+        s = run["summary"]
+        print(f"| {name} | {s['ettr']} | {len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
+              f"{s['steps_lost']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
+        print(f"|   parts | {s['parts_s']} |")
+    print(f"results: {args.out}/ettr.json")
+
+
+if __name__ == "__main__":
+    main()
