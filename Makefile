@@ -4,6 +4,7 @@
 #   make test    run the whole test suite (unit, real mpirun, real Slurm, end-to-end)
 #   make setup   build the stack into .venv (idempotent; both targets above call it)
 #   make bench   benchmarks (communication, training step, checkpoint I/O)
+#   make bench-ettr   training under random rank kills: ETTR against an uninterrupted run (~22 minutes)
 #   make install PREFIX=/opt/hpctrain/<version> [MODULEFILES=DIR]
 #                one installation for every user of a cluster, with a modulefile
 #                (scripts/install.sh; MODULEFILES defaults to $(PREFIX)/modulefiles)
@@ -16,7 +17,7 @@ NP ?= 2
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 PYTEST_ARGS ?=
 
-.PHONY: setup install demo test test-fast bench doctor clean
+.PHONY: setup install demo test test-fast bench bench-ettr doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +39,9 @@ test-fast: setup
 
 bench: setup
 	@bash scripts/bench.sh
+
+bench-ettr: setup
+	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/ettr.py $(ETTR_ARGS)
 
 clean:
 	rm -rf runs bench-results .pytest_cache

@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from run_all import mpi_env  # noqa: E402
 
-from hpctrain.monitoring.report import restart_costs  # noqa: E402
+from hpctrain.monitoring.report import restart_costs, restart_events  # noqa: E402
 
 MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",
          "data.generate=teacher", "data.val=none", "train.max_steps=1000000000", "train.epochs=100000",
@@ -97,7 +97,7 @@ def one_run(name, config, minutes, every, out, data):
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         records = [json.loads(line) for line in open(path) if line.strip()]
-    restarts = [r for r in records if r.get("kind") == "restart"]
+    restarts = restart_events(records)  # steps lost counted from the step each relaunch resumed
     return {"name": name, "config": config, "every_s": every, "minutes": minutes, "exit": code,
             "wall_s": round(wall, 1), "steps": final_step(run_dir), "kills_at_s": kills,
             "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],

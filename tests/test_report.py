@@ -85,3 +85,17 @@ def test_nonfinite_steps_are_summarized_and_marked_on_the_loss_plot():
              if line.get_label() in ("non-finite step", "_child2", "_child3") or line.get_xydata()[0][0] in (17, 25)]
     assert sorted({int(line.get_xydata()[0][0]) for line in marks}) == [17, 25]
     assert "non-finite" not in report.format_summary(report.summarize(run_records()))
+
+
+def test_restart_events_count_the_steps_lost_from_the_step_the_relaunch_resumed():
+    from hpctrain.monitoring.report import restart_events
+
+    records = [{"kind": "start", "timestamp": 1.0, "step": 0},
+               {"kind": "restart", "timestamp": 10.0, "restart": 1, "failed_step": 700, "resume_step": 512,
+                "steps_lost": 188},
+               {"kind": "start", "timestamp": 14.0, "step": 690},  # a node-local snapshot newer than the file
+               {"kind": "restart", "timestamp": 30.0, "restart": 2, "failed_step": 900, "resume_step": 512,
+                "steps_lost": 388}]  # no start after it: the supervisor's count stands
+    first, second = restart_events(records)
+    assert (first["resume_step"], first["steps_lost"]) == (690, 10)
+    assert (second["resume_step"], second["steps_lost"]) == (512, 388)

@@ -76,6 +76,7 @@ class LaunchPlan:
     accumulation: int = 1
     lr_scaling: str = "none"
     excluded: list = field(default_factory=list)
+    local_level: bool = False  # checkpoint.local: a relaunch may resume from a snapshot newer than any file
 
     def rank_command(self, relaunch):
         # a Python script runs as it is, with the same overrides (it takes section.key=value)
@@ -148,7 +149,8 @@ def make_plan(args, environ=None):
             "HINT: set train.step_timeout (seconds a step or a checkpoint save may take), e.g. train.step_timeout=600")
     return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
-                      cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded)
+                      cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
+                      cfg.checkpoint.local)
 
 
 class Supervisor:
@@ -356,7 +358,9 @@ def restart_record(p, n, failed, before, after, attempt, why):
                            f"x {before} (set train.lr_scaling = \"none\" and the learning rate you want to "
                            f"keep the training the same on any number of ranks)")
     text = (f"{failed.describe()}; restart {n} of at most {p.max_restarts}: {before} -> {after} rank(s) ({why}); "
-            f"resuming from step {resume}, {'?' if lost is None else lost} step(s) lost"
+            + (f"resuming from step {resume} (the newest checkpoint file) or a newer node-local snapshot, "
+               f"{'?' if lost is None else lost} step(s) lost at most" if p.local_level else
+               f"resuming from step {resume}, {'?' if lost is None else lost} step(s) lost")
             + "".join(f"; {c}" for c in changes))
     return text, {"kind": "restart", "restart": n, "cause": failed.cause, **_failure_fields(failed),
                   "ranks_before": before, "ranks_after": after, "decision": why, "excluded": list(p.excluded),

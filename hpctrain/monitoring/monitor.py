@@ -35,7 +35,7 @@ class Monitor:
     def __init__(self, run_dir, comm=None, *, log_every=50, progress="auto", gather_every=0,
                  slow_rank_factor=1.3, slow_rank_window=3, slow_rank_min_seconds=0.005,
                  consistency_every=0, tensorboard=False, total_steps=None, samples_per_step=None,
-                 node=None, stream=None, startup=None):
+                 node=None, stream=None, startup=None, start_step=None):
         if comm is None:
             from mpi4py import MPI
 
@@ -53,7 +53,7 @@ class Monitor:
             self.root = RunLog(run_dir, hosts, log_every=log_every, gather_every=self.gather_every,
                                total_steps=total_steps, samples_per_step=samples_per_step,
                                progress=progress, detector=detector, tensorboard=tensorboard, stream=stream,
-                               startup=startup)
+                               startup=startup, start_step=start_step)
 
     # ------------------------------------------------------------------ callbacks
     def on_step(self, state, metrics, phase_times):
@@ -103,10 +103,11 @@ class Monitor:
         return None if table is None else (table, seconds)
 
 
-def build_callbacks(cfg, run_dir, comm=None, total_steps=None, samples_per_step=None, startup=None):
+def build_callbacks(cfg, run_dir, comm=None, total_steps=None, samples_per_step=None, startup=None, start_step=None):
     """The monitoring callbacks for the trainer, from the ``[monitor]`` config section
     (:class:`hpctrain.config.MonitorConfig`; ``horovod_timeline`` is the trainer's)."""
     names = ("log_every", "progress", "gather_every", "slow_rank_factor", "slow_rank_window",
              "slow_rank_min_seconds", "consistency_every", "tensorboard")
     return [Monitor(run_dir, comm, total_steps=total_steps, samples_per_step=samples_per_step, startup=startup,
+                    start_step=start_step,
                     **{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})]

@@ -39,6 +39,27 @@ def _kind(records, kind):
     return [r for r in records if r.get("kind") == kind]
 
 
+def restart_events(records):
+    """The ``restart`` records of ``hpctrain launch``, with the step the relaunch really resumed from (its
+    ``start`` record's ``step``; pure). The supervisor's ``resume_step`` is the newest checkpoint file when it
+    decided; a node-local snapshot (``checkpoint.local``) is newer, so ``steps_lost`` is counted again from
+    the step resumed wherever the start says it."""
+    stamped = [r for r in records if isinstance(r.get("timestamp"), (int, float))]
+    events = []
+    for r in (r for r in records if r.get("kind") == "restart"):
+        e = {k: r.get(k) for k in ("restart", "cause", "rank", "host", "description", "ranks_before", "ranks_after",
+                                   "failed_step", "resume_step", "steps_lost")}
+        at = r.get("timestamp")
+        start = next((s for s in stamped if s.get("kind") == "start" and isinstance(at, (int, float))
+                      and s["timestamp"] > at), None)
+        if start is not None and isinstance(start.get("step"), int):
+            e["resume_step"] = start["step"]
+            if isinstance(e["failed_step"], int):
+                e["steps_lost"] = max(0, e["failed_step"] - start["step"])
+        events.append(e)
+    return events
+
+
 def restart_costs(records):
     """Per ``restart`` record of ``hpctrain launch``, the time from the failed launch's last logged step to the
     relaunch's first, part by part (pure): ``{"restart", "total", "parts": {part: seconds}}``. The parts: until
@@ -238,9 +259,7 @@ def summarize(records):
         "divergences": [{"step": r.get("step"), "ranks": r.get("ranks")} for r in _kind(records, "divergence")],
         "nonfinite": [{k: r.get(k) for k in ("step", "action", "tensor")} for r in _kind(records, "nonfinite")],
         # hpctrain launch: each relaunch after a failure, and why it stopped relaunching
-        "restarts": [{k: r.get(k) for k in ("restart", "cause", "rank", "host", "description", "ranks_before",
-                                            "ranks_after", "failed_step", "resume_step", "steps_lost")}
-                     for r in _kind(records, "restart")],
+        "restarts": restart_events(records),
         "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")}
                          for r in _kind(records, "launch_stop")],
         "restart_costs": restart_costs(records),

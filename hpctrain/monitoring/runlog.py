@@ -109,7 +109,7 @@ class RunLog:
 
     def __init__(self, run_dir, hosts, *, log_every, gather_every, total_steps=None,
                  samples_per_step=None, progress="auto", detector=None, tensorboard=False, stream=None,
-                 startup=None):
+                 startup=None, start_step=None):
         self.hosts, self.log_every, self.samples_per_step = hosts, log_every, samples_per_step
         self.display = ProgressDisplay(progress, total_steps, stream)
         self.writer = MetricsWriter(run_dir, tensorboard, warn=self.display.message)
@@ -122,7 +122,8 @@ class RunLog:
                            "hosts": hosts, "phases": list(PHASES), "gather_every": gather_every,
                            "log_every": log_every, "total_steps": total_steps,
                            # rank 0's start-up, part by part (hpctrain.runtime.startup): what a relaunch pays
-                           "process_started": process_started(), "startup": dict(startup or {})})
+                           "process_started": process_started(), "startup": dict(startup or {}),
+                           "step": start_step})  # where it starts: after a restart, the step it resumed
 
     def _times(self):
         now = time.time()

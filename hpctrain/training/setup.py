@@ -68,7 +68,7 @@ def set_up(trainer, local):
     p = state.progress
     budget = step_budget(t, sampler.steps_per_epoch, p.step, p.epoch,
                          max(0, sampler.num_samples - p.samples_in_epoch) // sampler.global_batch)
-    callbacks = _callbacks(trainer.callbacks, cfg, steps, run_dir, sampler, total_steps=budget[1])
+    callbacks = _callbacks(trainer.callbacks, cfg, steps, run_dir, sampler, total_steps=budget[1], start_step=p.step)
     run = Run(world, cfg, steps, run_dir, train, val, sampler, state, checkpoints, callbacks,
               PhaseTimer(sync=torch.cuda.synchronize if world.device.startswith("cuda") else None), watchdog,
               loss_fn, base_lr, metrics_fn=build_metrics(t.metrics), budget=budget,
@@ -132,7 +132,7 @@ def _decay_steps(t, budget, progress):
     return saved[0]
 
 
-def _callbacks(given, cfg, steps, run_dir, sampler, total_steps):
+def _callbacks(given, cfg, steps, run_dir, sampler, total_steps, start_step=0):
     if cfg.monitor.horovod_timeline:
         steps.backend.start_timeline(os.path.join(run_dir, "horovod_timeline.json"))
     callbacks = list(given)
@@ -140,7 +140,8 @@ def _callbacks(given, cfg, steps, run_dir, sampler, total_steps):
         # Every rank builds it: the monitor gathers timings across ranks.
         with watching("monitor set-up"):
             callbacks = build_callbacks(cfg.monitor, run_dir, comm=steps.world.comm, total_steps=total_steps,
-                                        samples_per_step=sampler.global_batch, startup=startup.take()) + callbacks
+                                        samples_per_step=sampler.global_batch, startup=startup.take(),
+                                        start_step=start_step) + callbacks
     return callbacks
 
 
