@@ -30,6 +30,8 @@ sys.path.insert(0, ROOT)
 
 from run_all import mpi_env  # noqa: E402
 
+from hpctrain.checkpoint.directory import read_latest  # noqa: E402
+from hpctrain.checkpoint.format import parse_step  # noqa: E402
 from hpctrain.monitoring.report import restart_costs, restart_events  # noqa: E402
 
 MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",
@@ -58,10 +60,8 @@ def rank_pids(run_dir):
 
 
 def final_step(run_dir):
-    latest = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.exists(latest):
-        return 0
-    return int(open(latest).read().strip()[5:13])
+    name = read_latest(os.path.join(run_dir, "checkpoints"))
+    return 0 if name is None else parse_step(name)
 
 
 def one_run(name, config, minutes, every, out, data):

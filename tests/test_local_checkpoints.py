@@ -40,7 +40,7 @@ def test_choose_takes_the_newest_complete_step_newer_than_the_hdf5_one():
 
 def test_choose_skips_an_incomplete_step_and_says_which_parts_are_missing():
     found = {0: [part(12, 0), part(9, 0), part(9, 2, rank_copy=True)], 1: [part(9, 1), part(12, 2)]}
-    step, chosen, skipped = localfiles.choose(found, newer_than=None)
+    step, chosen, skipped = localfiles.choose(found, newer_than=0)
     assert step == 9 and skipped == [(12, [1])]
     assert sorted(chosen) == [0, 1, 2]
     step, _, skipped = localfiles.choose({0: [part(12, 0)]}, newer_than=5)
@@ -49,7 +49,7 @@ def test_choose_skips_an_incomplete_step_and_says_which_parts_are_missing():
 
 def test_choose_spreads_the_reading_over_the_holders():
     everywhere = [part(4, o, nranks=4) for o in range(4)]
-    step, chosen, _ = localfiles.choose({0: everywhere, 1: everywhere}, newer_than=None)
+    step, chosen, _ = localfiles.choose({0: everywhere, 1: everywhere}, newer_than=0)
     assert step == 4 and sorted(r for r, _, _ in chosen.values()) == [0, 0, 1, 1]
 
 

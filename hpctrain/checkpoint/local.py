@@ -126,7 +126,7 @@ class LocalLevel:
     # -- recovery
 
     def recover(self, newer_than, retention, verify=True):
-        """Make the newest complete snapshot after HDF5 step ``newer_than`` (None: no HDF5 checkpoint) an
+        """Make the newest complete snapshot after HDF5 step ``newer_than`` (0: no HDF5 checkpoint) an
         ordinary checkpoint file of the directory; returns its path, or None (then the HDF5 file is the
         newest, and rank 0 has said what an incomplete snapshot cost)."""
         comm, is_root = self.comm, self.comm.Get_rank() == 0
@@ -149,7 +149,7 @@ class LocalLevel:
             holders = sorted({self.nodes[r] for r, _, _ in chosen.values()})
             copies = sorted(o for o, (_, _, copy) in chosen.items() if copy)
             print(f"hpctrain: recovered step {step} from the node-local checkpoints on {', '.join(holders)}"
-                  f"{'' if newer_than is None else f' (the newest HDF5 checkpoint is of step {newer_than})'}, "
+                  f"{f' (the newest HDF5 checkpoint is of step {newer_than})' if newer_than else ''}, "
                   f"written to {os.path.basename(path)} in {time.monotonic() - started:.2f} s"
                   + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else ""),
                   flush=True)
@@ -225,10 +225,10 @@ def _memory_line(base, nodes, sizes, dest, sources):
 
 def _incomplete_line(skipped, newer_than):
     lost, missing = skipped
-    back = "step 0" if newer_than is None else f"the HDF5 checkpoint of step {newer_than}"
+    back = f"the HDF5 checkpoint of step {newer_than}" if newer_than else "step 0"
     return (f"hpctrain: the node-local checkpoint of step {lost} is incomplete: the parts of rank(s) "
             f"{', '.join(map(str, missing))} survive on no node of the job (nor any copy of them); "
-            f"resuming from {back} instead: {lost - (newer_than or 0)} steps to compute again")
+            f"resuming from {back} instead: {lost - newer_than} steps to compute again")
 
 
 def _check_local_dir(local_dir, world):

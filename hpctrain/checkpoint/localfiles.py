@@ -215,7 +215,8 @@ def remove_steps(ndir, keep):
 # ---------------------------------------------------------------- which step a recovery takes
 
 def choose(found, newer_than):
-    """The newest step after ``newer_than`` (or any, for None) whose parts all exist somewhere.
+    """The newest step after ``newer_than`` (the newest checkpoint file's step, 0 for none) whose parts all
+    exist somewhere.
     ``found``: ``{rank: [(step, owner, nranks, path, copy)]}``, what each rank sees on its node. Returns
     ``(step, {owner: (holder rank, path, copy)}, skipped)``, ``step`` None when no step qualifies; ``skipped``:
     ``[(step, owners missing)]`` of newer steps that were incomplete. Each part is read by the rank holding it
@@ -223,7 +224,7 @@ def choose(found, newer_than):
     by_step = {}
     for rank in sorted(found):
         for step, owner, nranks, path, copy in found[rank]:
-            if newer_than is None or step > newer_than:
+            if step > newer_than:
                 by_step.setdefault((step, nranks), {}).setdefault(owner, []).append((rank, path, copy))
     skipped = []
     for step, nranks in sorted(by_step, reverse=True):

@@ -48,10 +48,11 @@ class CheckpointManager:
         self.last_path = None
         # checkpoint.auto_interval: rank 0's estimator (fed and asked inside on_root only); with the
         # node-local level (checkpoint.local, its own estimator) each level has half the overhead budget
-        share = 0.5 if getattr(cfg, "local", False) else 1.0
+        local = getattr(cfg, "local", False)
+        share = 0.5 if local else 1.0
         self.interval = (AutoInterval(cfg.max_overhead * share, cfg.mtbf_hours, cfg.every_steps, cfg.every_minutes)
                          if getattr(cfg, "auto_interval", False) else None)
-        self.local = LocalLevel(cfg, self.directory, world, share) if getattr(cfg, "local", False) else None
+        self.local = LocalLevel(cfg, self.directory, world, share) if local else None
 
     # -- resume
 
@@ -67,7 +68,7 @@ class CheckpointManager:
                 self.local.clear()  # another run's snapshots, in this directory before
             return False
         if mode == "auto" and self.local is not None:
-            newest = on_root(lambda: next(iter(directory.scan(self.directory)), (None, None))[0], self.comm)
+            newest = on_root(lambda: directory.newest_step(self.directory), self.comm)
             self.local.recover(newest, self.retention, self.cfg.verify)
         if mode != "auto":
             path = os.path.abspath(mode)

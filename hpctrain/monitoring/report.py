@@ -39,19 +39,28 @@ def _kind(records, kind):
     return [r for r in records if r.get("kind") == kind]
 
 
+def _stamped(records):
+    return [r for r in records if isinstance(r.get("timestamp"), (int, float))]
+
+
+def _start_after(stamped, at):
+    """The first ``start`` record after time ``at`` (the launch a restart made), or None."""
+    if not isinstance(at, (int, float)):
+        return None
+    return next((r for r in stamped if r.get("kind") == "start" and r["timestamp"] > at), None)
+
+
 def restart_events(records):
     """The ``restart`` records of ``hpctrain launch``, with the step the relaunch really resumed from (its
     ``start`` record's ``step``; pure). The supervisor's ``resume_step`` is the newest checkpoint file when it
     decided; a node-local snapshot (``checkpoint.local``) is newer, so ``steps_lost`` is counted again from
     the step resumed wherever the start says it."""
-    stamped = [r for r in records if isinstance(r.get("timestamp"), (int, float))]
+    stamped = _stamped(records)
     events = []
     for r in (r for r in records if r.get("kind") == "restart"):
         e = {k: r.get(k) for k in ("restart", "cause", "rank", "host", "description", "ranks_before", "ranks_after",
                                    "failed_step", "resume_step", "steps_lost")}
-        at = r.get("timestamp")
-        start = next((s for s in stamped if s.get("kind") == "start" and isinstance(at, (int, float))
-                      and s["timestamp"] > at), None)
+        start = _start_after(stamped, r.get("timestamp"))
         if start is not None and isinstance(start.get("step"), int):
             e["resume_step"] = start["step"]
             if isinstance(e["failed_step"], int):
@@ -68,11 +77,11 @@ def restart_costs(records):
     resume), the monitor's set-up, and until the first logged step (``monitor.log_every`` steps). Times from
     several hosts mix their clocks."""
     costs = []
-    stamped = [r for r in records if isinstance(r.get("timestamp"), (int, float))]
+    stamped = _stamped(records)
     for restart in (r for r in stamped if r.get("kind") == "restart"):
         at = restart["timestamp"]
         before = [r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] < at]
-        start = next((r for r in stamped if r.get("kind") == "start" and r["timestamp"] > at), None)
+        start = _start_after(stamped, at)
         if not before or start is None:
             continue
         first = next((r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] > start["timestamp"]),
