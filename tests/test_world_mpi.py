@@ -54,3 +54,11 @@ def test_mpi_started_first_keeps_open_mpis_default_and_says_so():
     for rank in _probe({YIELD_VARIABLE: None}, "mpi-first"):
         assert rank["yield_when_idle"] == 0, rank  # Open MPI's default where not oversubscribed
         assert "MPI started before hpctrain" in rank["said"]
+
+
+@pytest.mark.mpi
+def test_every_communicator_is_ready_for_object_reductions_before_training():
+    """Else the first ``comm.allreduce`` of a step sets one up holding the GIL: a deadlock with Horovod."""
+    result = mpirun(4, ["tests/mpi/object_reductions_ready.py"], timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("READY") == 4, result.stdout

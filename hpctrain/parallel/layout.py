@@ -87,6 +87,7 @@ class ProcessGrid:
         from mpi4py import MPI
 
         from ..runtime.coordination import all_or_none
+        from ..runtime.world import prepare_object_reductions
 
         comm = MPI.COMM_WORLD if comm is None else getattr(comm, "comm", comm)
         layout = all_or_none(lambda: layout.resolve(comm.Get_size()), comm)
@@ -98,6 +99,7 @@ class ProcessGrid:
         dp = comm.Split(color=s * T + t, key=r)
         tp = comm.Split(color=r * S + s, key=t)
         stage = comm.Split(color=s, key=r * T + t)
+        prepare_object_reductions(comm, pp, dp, tp, stage)
         return cls(layout, comm, rank, r, s, t, pp, dp, tp, stage)
 
     @property

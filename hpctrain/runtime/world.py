@@ -183,9 +183,22 @@ def init_world(comm=None, pin=True, check=True):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
+    prepare_object_reductions(comm)
     device = pin_device(local_rank, local_size) if pin else "cpu"
     startup.mark("mpi")
     return World(rank, size, local_rank, local_size, node_name(), info.launcher, comm, device)
+
+
+def prepare_object_reductions(*comms):
+    """Collective: set up each communicator for mpi4py's object reductions (``comm.allreduce``) now.
+
+    mpi4py duplicates a communicator the first time an object reduction runs on it, collectively and holding
+    the GIL. In the middle of training that deadlocks: a rank whose replicas have finished their Horovod
+    all-reduce blocks there with the GIL, so its Horovod thread cannot free a tensor and stops answering the
+    whole job's negotiation, which the ranks of another process set still wait on (seen with split models).
+    hpctrain calls this where it makes a communicator, before Horovod starts."""
+    for comm in comms:
+        comm.allreduce(0)
 
 
 def pin_device(local_rank, local_size):
