@@ -15,6 +15,7 @@ from . import format as fmt
 from . import reader, snapshot, writer
 from .agreement import agree
 from .directory import check_writable, read_latest, scan, write_latest
+from .iosettings import io_of
 from .policy import select_keep
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -27,15 +28,15 @@ def io_mode(comm):
     return not forced and writer.h5py_parallel(), forced
 
 
-def prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual", step=0, extra=None):
+def prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual", step=0, extra=None, io=None):
     """Rank 0: check the directory, choose the temp name, gather metadata and RNG states.
-    ``extra``: more attributes of ``/``."""
+    ``extra``: more attributes of ``/``; ``io``: the file's layout and MPI-IO hints (:mod:`.iosettings`)."""
     check_writable(os.path.dirname(final))
     nwriters = comm.Get_size() if parallel else 1
     meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
                                   "mpio" if parallel else "serial", nwriters)
     meta.update(extra or {})
-    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": snapshot.rng_states()}
+    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": snapshot.rng_states(), "io": io}
 
 
 def write_verified(plan, info, comm, parallel, verify, background=False):
@@ -47,7 +48,8 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
         # The disk starts writing the file back while it is written, not only at the fsync.
         stop_writeback = fsutil.early_writeback(tmp) if parallel or comm.Get_rank() == 0 else lambda: None
         try:
-            checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background)
+            checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background,
+                                          io=io_of(info))
         finally:
             stop_writeback()
         # Every rank fsyncs while the ranks re-read and checksum: the disk writes back while the CPUs verify.

@@ -261,12 +261,14 @@ def nbytes_of(shape, itemsize):
     return itemsize * math.prod(shape)
 
 
-def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
+def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES, alignment=1):
     """Which rank handles which rows of which dataset. ``specs``: ``[(shape, itemsize)]``, one per dataset,
     the same on every rank. Returns one list per dataset of ``(rank, start_row, stop_row)`` pieces in row
     order. Scalars are one piece ``(rank, 0, 1)``. Large tensors are split along axis 0 into ``nranks`` nearly
-    equal parts (empty parts are left out); small ones go whole to the least-loaded rank (lowest rank on
-    ties), so the result depends only on the arguments."""
+    equal parts (empty parts are left out); with ``alignment`` (bytes), each part starts on a multiple of it
+    from the dataset's start (:func:`aligned_cuts`: fewer parts where the tensor holds fewer aligned steps).
+    Small ones go whole to the least-loaded rank (lowest rank on ties), so the result depends only on the
+    arguments."""
     if nranks < 1:
         raise ValueError(f"nranks must be >= 1, got {nranks}")
     load = [0] * nranks
@@ -274,12 +276,13 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
     for i, (shape, itemsize) in enumerate(specs):
         size = nbytes_of(shape, itemsize)
         if shape and size >= split_bytes and nranks > 1 and shape[0] > 1:
-            rows, pieces = shape[0], []
-            for rank in range(nranks):
-                start, stop = rows * rank // nranks, rows * (rank + 1) // nranks
-                if stop > start:
-                    pieces.append((rank, start, stop))
-                    load[rank] += (stop - start) * row_bytes(shape, itemsize)
+            rows, width = shape[0], row_bytes(shape, itemsize)
+            pieces = aligned_cuts(rows, width, nranks, alignment) if alignment > 1 else None
+            if pieces is None:
+                pieces = [(rank, rows * rank // nranks, rows * (rank + 1) // nranks) for rank in range(nranks)]
+            pieces = [(rank, start, stop) for rank, start, stop in pieces if stop > start]
+            for rank, start, stop in pieces:
+                load[rank] += (stop - start) * width
             plan[i] = pieces
     for i, (shape, itemsize) in enumerate(specs):
         if plan[i] is None:
@@ -287,6 +290,20 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES):
             load[rank] += nbytes_of(shape, itemsize)
             plan[i] = [(rank, 0, shape[0] if shape else 1)]
     return plan
+
+
+def aligned_cuts(rows, row_bytes, nparts, alignment):
+    """``[(part, start_row, stop_row)]`` of ``rows`` rows of ``row_bytes`` cut into at most ``nparts`` nearly
+    equal parts, each starting a multiple of ``alignment`` bytes from the dataset's start; fewer parts where
+    the rows hold fewer aligned steps (part indices then spread over ``range(nparts)``). None where not even
+    one step fits (rows much longer than the alignment and no common multiple in reach) ."""
+    unit = alignment // math.gcd(alignment, row_bytes)  # rows per aligned step
+    steps = rows // unit
+    if alignment <= 1 or steps < 1:
+        return None
+    parts = min(nparts, steps)
+    cuts = [0] + [round(steps * k / parts) * unit for k in range(1, parts)] + [rows]
+    return [(k * nparts // parts, cuts[k], cuts[k + 1]) for k in range(parts) if cuts[k + 1] > cuts[k]]
 
 
 def rows(shape, start, stop):

@@ -26,6 +26,7 @@ from ..runtime.coordination import all_or_none, everywhere, on_root
 from . import commit, directory, localfiles, snapshot
 from . import format as fmt
 from .interval import AutoInterval
+from .iosettings import io_settings_for
 from .localtransfer import copy_to_partner, gather_parts
 from .plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
 
@@ -196,7 +197,8 @@ def _write_snapshot_file(comm, step, chosen, checkpoint_dir, retention, verify):
         raise everywhere(CheckpointError(problem))
     final = os.path.join(checkpoint_dir, fmt.checkpoint_name(step))
     info = on_root(lambda: (directory.check_writable(checkpoint_dir),
-                            {"final": final, "tmp": fsutil.temp_name(final)})[1], comm)
+                            {"final": final, "tmp": fsutil.temp_name(final),
+                             "io": io_settings_for(checkpoint_dir)})[1], comm)
     datasets = [DatasetPlan(s["path"], tuple(s["shape"]), np.dtype(s["dtype"]), s["attrs"],
                             [(0, fmt.rows(tuple(s["shape"]), 0, s["shape"][0] if s["shape"] else 0))],
                             None if full is None else full[i], finite=s["finite"])

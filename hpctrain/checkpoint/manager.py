@@ -12,7 +12,7 @@ from .. import settings
 from ..errors import CheckpointError
 from ..runtime.coordination import everywhere, on_root
 from ..runtime.system import usable_cpus
-from . import commit, directory
+from . import commit, directory, iosettings
 from . import format as fmt
 from .background import BackgroundWriter, threads_ok
 from .interval import AutoInterval
@@ -41,6 +41,9 @@ class CheckpointManager:
         self.parallel, forced = (True, False) if self.planner.collective_only else commit.io_mode(self.comm)
         if world.is_root:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)
+        # The files' layout and MPI-IO hints, from the directory's file system as rank 0 sees it.
+        self.io = on_root(lambda: iosettings.io_settings_for(self.directory, getattr(cfg, "alignment", 0),
+                                                    getattr(cfg, "io_hints", None)), self.comm)
         self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
         self._last_step = None
@@ -147,7 +150,7 @@ class CheckpointManager:
         step = state.progress.step
         final = os.path.join(self.directory, fmt.checkpoint_name(step))
         info = commit.begin(final, self.comm, self.parallel, run_config=self.run_config, metrics=metrics,
-                            reason=reason, step=step)
+                            reason=reason, step=step, io=self.io)
         metric = (metrics or {}).get(self.cfg.best_metric)
         background = self.cfg.async_save and threads_ok(self.world.is_root)
         plan = self.planner.plan(state, info, self.parallel, self.background.buffers if background else None)

@@ -51,11 +51,12 @@ class WritePlan:
         return sum(d.nbytes for d in self.datasets)
 
 
-def plan_snapshot(snap, nwriters, rank):
+def plan_snapshot(snap, nwriters, rank, alignment=1):
     """The plan for a data-parallel :class:`~.snapshot.Snapshot`, of which every rank holds
-    every array: ``nwriters`` ranks share the rows as :func:`format.plan_pieces` says."""
+    every array: ``nwriters`` ranks share the rows as :func:`format.plan_pieces` says, each
+    rank's part of a large tensor starting on a multiple of ``alignment`` bytes."""
     arrays = [e.array for e in snap.entries]
-    rows = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nwriters)
+    rows = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nwriters, alignment=alignment)
     datasets = []
     for entry, array, pieces in zip(snap.entries, arrays, rows):
         mine = next((array[a:b] if array.ndim else array for r, a, b in pieces if r == rank), None)

@@ -5,6 +5,7 @@ of the optimizer: :mod:`.sharded`). The ranks share out the rows of the one mode
 theirs: ``hpctrain.parallel.checkpoint.SplitPlanner``); :func:`save_checkpoint`, :func:`load_checkpoint` and
 :func:`verify_checkpoint` do the same for one file, without a manager."""
 import logging
+import os
 
 from ..errors import CheckpointError
 from ..runtime import allocator
@@ -14,6 +15,7 @@ from ..runtime.system import usable_cpus
 from . import format as fmt
 from . import reader, sharded, snapshot
 from .commit import begin, io_mode, write_into_place
+from .iosettings import io_of, io_settings_for
 from .plan import copy_own_pieces, plan_snapshot
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -68,7 +70,7 @@ def _plan(state, info, comm, parallel, copy=False, buffers=None):
         sharded.check_parallel(parallel)
         return sharded.plan(state, info, comm, copy=copy)
     snap = snapshot.take_snapshot(state, info)
-    plan = plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank())
+    plan = plan_snapshot(snap, comm.Get_size() if parallel else 1, comm.Get_rank(), io_of(info).alignment)
     if copy:
         copy_own_pieces(plan, {} if buffers is None else buffers, workers=min(4, usable_cpus()))
     return plan
@@ -83,16 +85,20 @@ def _comm(comm):
 
 
 def save_checkpoint(path, state, comm=None, run_config=None, metrics=None, reason="manual",
-                    verify=True, consistency="check"):
+                    verify=True, consistency="check", io=None):
     """Collective: write ``state`` to the checkpoint file ``path`` (atomically: temp file, checksums verified,
-    fsync, rename). No ``latest``, no retention: see :class:`~.manager.CheckpointManager`.
+    fsync, rename). No ``latest``, no retention: see :class:`~.manager.CheckpointManager`. ``io``: the file's
+    layout and MPI-IO hints (:class:`~.iosettings.IOSettings`); None: chosen for the directory's file system.
 
     >>> save_checkpoint("run/ckpt-00000100.h5", state, comm)   # doctest: +SKIP
     """
     comm = _comm(comm)
     parallel, _ = io_mode(comm)
     check_consistency(state.model, comm, consistency)
-    info = begin(path, comm, parallel, run_config=run_config, metrics=metrics, reason=reason, step=state.progress.step)
+    if io is None:
+        io = on_root(lambda: io_settings_for(os.path.dirname(os.path.abspath(path))), comm)
+    info = begin(path, comm, parallel, run_config=run_config, metrics=metrics, reason=reason, step=state.progress.step,
+                 io=io)
     return write_into_place(_plan(state, info, comm, parallel), info, comm, parallel, verify)
 
 

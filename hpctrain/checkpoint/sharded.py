@@ -16,6 +16,7 @@ from ..errors import CheckpointError
 from . import format as fmt
 from . import reader, snapshot
 from .agreement import agree
+from .iosettings import io_of
 from .plan import DatasetPlan, WritePlan, plan_snapshot
 
 STATE_PREFIX = fmt.OPT_STATE + "/"
@@ -81,7 +82,8 @@ def plan(state, info, comm, copy=False):
         entries.append(snapshot.Entry(snapshot.model_path(name), array, {fmt.DTYPE_ATTR: dtype},
                                       finite=name in params))
     rng = snapshot.rng_entries(info["rng"])
-    base = plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank)
+    base = plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank,
+                         io_of(info).alignment)
     description, tensors = _description(opt)
     groups = snapshot.optimizer_attrs(description)
     groups.update(snapshot.progress_attrs(state.progress, info["rng"], getattr(state, "scaler", None)))

@@ -71,6 +71,12 @@ class CheckpointConfig:
     local: bool = False
     local_every_steps: int = 0  # steps between snapshots; 0: chosen from their cost (auto_interval's budget, else 1%)
     local_dir: str = "/dev/shm"  # RAM-backed by default; a local disk's path works too
+    # The file's layout and MPI-IO (docs/checkpoint-format.md, "Aligned layout"): large datasets and each rank's
+    # part of them start on a multiple of `alignment` bytes (0: the file system's stripe or block size where it
+    # reports one, else 1 MiB; 1: none); `io_hints`, e.g. {striping_factor = 16, cb_nodes = 8}, go to MPI-IO
+    # over the defaults chosen for the file system.
+    alignment: int = 0
+    io_hints: dict = field(default_factory=dict)
 
 
 

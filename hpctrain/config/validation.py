@@ -227,10 +227,20 @@ def _check_checkpoint(k):
     check_choice("checkpoint.best_mode", k.best_mode, schema.BEST_MODES)
     check_choice("checkpoint.consistency", k.consistency, schema.CONSISTENCY)
     for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",
-                 "mtbf_hours", "local_every_steps"):
+                 "mtbf_hours", "local_every_steps", "alignment"):
         _positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
     _check_auto_interval(k)
     _check_local(k)
+    _check_io_hints(k.io_hints)
+
+
+def _check_io_hints(hints):
+    """``checkpoint.io_hints``: MPI_Info takes string keys and values; numbers and booleans become strings."""
+    for key, value in hints.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"checkpoint.io_hints.{key} = {value!r}: an MPI-IO hint is one value, not a "
+                              f"{type(value).__name__}",
+                              hint='e.g. checkpoint.io_hints = {striping_factor = 16, romio_cb_write = "enable"}')
 
 
 def _check_local(k):

@@ -161,6 +161,8 @@ def _say_first_lines(run):
     run.log(allocator.tune())  # what hpctrain set for the user (docs/performance.md)
     if mpi_settings():
         run.log(mpi_settings())
+    if getattr(run.checkpoints, "io", None) is not None:  # a user's own manager may not have it
+        run.log(run.checkpoints.io.describe())
     for note in getattr(run.cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
         run.log(note)
     if steps.describe():

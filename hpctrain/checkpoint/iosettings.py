@@ -1,0 +1,169 @@
+"""How a checkpoint file is laid out and opened for the file system it goes to: the boundary its large datasets,
+and every rank's region of them, start on (``checkpoint.alignment``), and the MPI-IO hints the file is opened
+with (``checkpoint.io_hints``), both chosen from the file system of the checkpoint directory where it can be
+detected (docs/checkpoint-format.md, "Aligned layout"; docs/performance.md, "At scale").
+
+On Lustre and GPFS a shared file written by many ranks runs at a fraction of the hardware's speed when the
+writes straddle stripe or block boundaries: two ranks then lock and write the same stripe. Aligned regions
+make every rank's writes its own stripes."""
+import os
+import subprocess
+from dataclasses import dataclass, field
+from typing import Dict
+
+from . import format as fmt
+
+DEFAULT_ALIGNMENT = 1 << 20  # 1 MiB: Lustre's default stripe size, and a divisor of GPFS block sizes
+# HDF5 aligns objects from this size on: the datasets split among ranks (format.SPLIT_BYTES). Smaller ones stay
+# packed, so a model of many small tensors does not grow by a boundary's padding per tensor.
+ALIGN_FROM = fmt.SPLIT_BYTES
+# Bytes HDF5 reserves for metadata at a time (its default is 2 KiB): a file's object headers and attributes
+# then sit together in a few blocks, written in few operations, not scattered between the datasets.
+META_BLOCK = 1 << 20
+# Shared-file systems whose clients lock stripes or blocks: collective buffering (a few aggregators write
+# whole stripes) and no data sieving (a read-modify-write of the gaps) pay there.
+PARALLEL = ("lustre", "gpfs", "beegfs", "wekafs", "pvfs2", "orangefs")
+COLLECTIVE_HINTS = {"romio_cb_write": "enable", "romio_ds_write": "disable"}
+
+
+@dataclass(frozen=True)
+class IOSettings:
+    """The layout and hints of one run's checkpoint files, the same on every rank (rank 0 chooses them)."""
+
+    alignment: int = 1  # bytes; 1: HDF5's own packing (no alignment)
+    hints: Dict[str, str] = field(default_factory=dict)  # MPI_Info keys and values
+    filesystem: str = ""  # as /proc/self/mountinfo names it, e.g. "lustre"; "" unknown
+    mount: str = ""
+    alignment_from: str = ""  # where the alignment came from, said in the run's first lines
+
+    def h5py_kwargs(self):
+        """``h5py.File`` arguments for the layout (none for an unaligned file)."""
+        if self.alignment <= 1:
+            return {}
+        return {"alignment_threshold": min(ALIGN_FROM, self.alignment), "alignment_interval": self.alignment,
+                "meta_block_size": META_BLOCK}
+
+    def mpi_info(self):
+        """The hints as an ``MPI.Info`` (None without hints); the caller frees it."""
+        if not self.hints:
+            return None
+        from mpi4py import MPI
+
+        info = MPI.Info.Create()
+        for key, value in sorted(self.hints.items()):
+            info.Set(key, value)
+        return info
+
+    def describe(self):
+        fs = f"{self.filesystem or 'unknown file system'}{' at ' + self.mount if self.mount else ''}"
+        align = (f"large datasets and each rank's part aligned on {_size(self.alignment)} ({self.alignment_from})"
+                 if self.alignment > 1 else "no alignment (checkpoint.alignment = 1)")
+        hints = ", ".join(f"{k}={v}" for k, v in sorted(self.hints.items())) or "none"
+        return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}"
+
+
+def io_of(info):
+    """The :class:`IOSettings` a save's ``info`` (:func:`~.commit.begin`) carries; none: no alignment, no hints."""
+    return info.get("io") or IOSettings()
+
+
+def _size(n):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+# ---------------------------------------------------------------- the file system
+
+def parse_mountinfo(text):
+    """``[(mount point, fstype)]`` from the text of ``/proc/self/mountinfo`` (pure)."""
+    mounts = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or not tail:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # "\040" is a space
+        mounts.append((point, tail[0]))
+    return mounts
+
+
+def filesystem_of(path, mounts):
+    """``(fstype, mount point)`` of the mount holding ``path`` (an absolute, resolved path), the longest mount
+    point that contains it; the last mounted wins where one is mounted over another (pure)."""
+    best = ("", "")
+    for point, fstype in mounts:
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[1]):
+            best = (fstype, point)
+    return best
+
+
+def _existing(path):
+    """``path`` resolved, or its nearest existing parent (the directory may not exist yet)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def detect(directory):
+    """``(fstype, mount point)`` of ``directory`` on this node (``("", "")`` where /proc is not there)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = parse_mountinfo(f.read())
+    except OSError:
+        return "", ""
+    return filesystem_of(_existing(directory), mounts)
+
+
+def stripe_size(directory, fstype):
+    """The file system's own unit of ``directory`` in bytes, or None: Lustre's stripe size (``lfs getstripe
+    -S``, the layout new files there get), GPFS's block size (what ``statvfs`` reports there)."""
+    where = _existing(directory)
+    if fstype == "lustre":
+        try:
+            out = subprocess.run(["lfs", "getstripe", "-d", "-S", where], capture_output=True, text=True,
+                                 timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        words = out.stdout.split()
+        return int(words[-1]) if out.returncode == 0 and words and words[-1].isdigit() else None
+    if fstype == "gpfs":
+        try:
+            return os.statvfs(where).f_bsize or None
+        except OSError:
+            return None
+    return None
+
+
+# ---------------------------------------------------------------- the choice
+
+def io_settings_for(directory, alignment=0, io_hints=None, detected=None, stripe=None):
+    """The :class:`IOSettings` of checkpoints in ``directory`` (rank 0; the caller hands them to every rank).
+
+    ``alignment``: bytes; 0 chooses it: the stripe (or block) size where the file system reports one, else
+    1 MiB; 1: none. ``io_hints``: the user's MPI-IO hints, over the defaults for the file system (collective
+    buffering on, data sieving off on the shared-file systems of ``PARALLEL``; Lustre's stripe size as
+    ``striping_unit``). ``detected``, ``stripe``: the file system and its unit, when known (tests)."""
+    fstype, mount = detect(directory) if detected is None else detected
+    unit = stripe_size(directory, fstype) if stripe is None else stripe
+    if alignment:
+        chosen, why = alignment, "checkpoint.alignment"
+    elif unit:
+        chosen, why = unit, f"the {fstype} {'stripe' if fstype == 'lustre' else 'block'} size"
+    else:
+        chosen, why = DEFAULT_ALIGNMENT, "hpctrain's default"
+    hints = dict(COLLECTIVE_HINTS) if fstype in PARALLEL else {}
+    if fstype == "lustre" and unit:
+        hints["striping_unit"] = str(unit)
+    hints.update({str(k): hint_value(v) for k, v in (io_hints or {}).items()})
+    return IOSettings(chosen, hints, fstype, mount, why)
+
+
+def hint_value(value):
+    """A TOML value as MPI_Info wants it: a string (``true`` -> ``"true"``, 8 -> ``"8"``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
