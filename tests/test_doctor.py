@@ -40,6 +40,22 @@ def test_doctor_json_reports_the_parallel_stack():
     assert "Open MPI" in doc["versions"]["mpi_library"]
 
 
+def test_doctor_names_the_checkpoint_file_system_and_what_a_save_uses(tmp_path):
+    proc = run_doctor("--checkpoint-dir", "/dev/shm", env={**os.environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "ckpt I/O" in x)
+    assert "/dev/shm: tmpfs at /dev/shm" in line and "aligned on 1 MiB" in line and "hints: none" in line
+    # Hints, as a user sets them for a save, and which of them MPI-IO kept for a file it opened there (in a
+    # process of its own: MPI is not started in the test process).
+    code = ("import sys; from hpctrain.checkpoint.iosettings import io_settings_for; "
+            "from hpctrain.commands.doctor import _hints_kept; "
+            "io = io_settings_for(sys.argv[1], io_hints={'striping_unit': 4 << 20, 'romio_cb_write': 'enable'}); "
+            "print(_hints_kept(sys.argv[1], io))")
+    kept = subprocess.run([PY, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert kept.stdout.strip() == "romio_cb_write=enable, striping_unit=4194304", kept.stdout + kept.stderr
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 4])
 def test_doctor_under_mpirun_gathers_every_rank(n):

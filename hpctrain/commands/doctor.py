@@ -193,7 +193,43 @@ def check_stack(record):
     return Check("stack", False, detail, first.fix, required=bool(required))
 
 
-def run_checks():
+def check_checkpoint_io(directory, mpi_ok):
+    """The file system of the checkpoint directory and what a save there uses: alignment and MPI-IO hints
+    (as hpctrain chooses them, and as MPI-IO reports them back for a file opened there)."""
+    from ..checkpoint.iosettings import io_settings_for
+
+    directory = os.path.abspath(directory)
+    io = io_settings_for(directory)
+    detail = f"{directory}: {io.describe().split(': ', 1)[1]}"
+    if mpi_ok and io.hints and os.path.isdir(directory) and os.access(directory, os.W_OK):
+        detail += f"; MPI-IO keeps: {_hints_kept(directory, io)}"
+    known = bool(io.filesystem)
+    return Check("ckpt I/O", known, detail, "run `hpctrain doctor --checkpoint-dir DIR` on a compute node, where "
+                 "/proc/self/mountinfo names the file system", required=False)
+
+
+def _hints_kept(directory, io):
+    """The hints of ``io`` that MPI-IO reports for a probe file it opened in ``directory`` (then removed)."""
+    from mpi4py import MPI
+
+    probe = os.path.join(directory, f".hpctrain-doctor-{os.getpid()}")
+    info = io.mpi_info()
+    try:
+        f = MPI.File.Open(MPI.COMM_SELF, probe, MPI.MODE_CREATE | MPI.MODE_WRONLY | MPI.MODE_DELETE_ON_CLOSE, info)
+        try:
+            got = f.Get_info()
+            kept = {k: got.Get(k) for k in io.hints if got.Get(k) is not None}
+            got.Free()
+        finally:
+            f.Close()
+    except MPI.Exception as exc:
+        return f"could not open a file there ({exc.Get_error_string()})"
+    finally:
+        info.Free()
+    return ", ".join(f"{k}={v}" for k, v in sorted(kept.items())) or "none of them"
+
+
+def run_checks(checkpoint_dir="."):
     """Run every check in this process; returns a dict (JSON-ready) and the checks."""
     record, install_check = check_installation()
     checks = [install_check, check_python(), check_numpy()]
@@ -205,7 +241,7 @@ def run_checks():
         checks.append(stack_check)
     if stack_check is None or stack_check.ok or not stack_check.required:
         mpi_check, comm, mpi_lib = check_mpi()
-        checks += [mpi_check, check_mpirun(), check_h5py(record)]
+        checks += [mpi_check, check_mpirun(), check_h5py(record), check_checkpoint_io(checkpoint_dir, comm is not None)]
         horovod_required = (settings.get("BACKEND") or "horovod") == "horovod"
         hvd_check, hvd_build = check_horovod(horovod_required, cuda)
         checks.append(hvd_check)
@@ -254,9 +290,11 @@ def _h5py_parallel():
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="hpctrain doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document (all ranks) on rank 0")
+    parser.add_argument("--checkpoint-dir", default=".", metavar="DIR",
+                        help="where checkpoints will go: its file system, alignment and MPI-IO hints (default: .)")
     args = parser.parse_args(argv)
 
-    report, checks, comm = run_checks()
+    report, checks, comm = run_checks(args.checkpoint_dir)
     if comm is not None and comm.Get_size() > 1:
         from ..runtime.coordination import on_root
 
