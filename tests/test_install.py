@@ -26,6 +26,7 @@ from hpctrain.install.modulefiles import lua_modulefile, modulefile_paths, tcl_m
 from hpctrain.install.record import (InstallRecord, hdf5_problem, installation_of, parse_loaded_modules,
                                      read_record, record_path, stack_modules_of, stack_problems, write_record)
 from mpi_harness import ROOT
+from system_packages import install_debian
 
 USER = "hpctrain-user"
 INSTALL_TIMEOUT = 900
@@ -117,11 +118,7 @@ def _root_or_skip():
 def lmod():
     if not LMOD_INIT.exists():
         _root_or_skip()
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "-qq", "lmod"]
-        if subprocess.run(install, timeout=300, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], check=True, timeout=300, env=env, capture_output=True)
-            subprocess.run(install, check=True, timeout=300, env=env, capture_output=True)
+        install_debian("lmod")
     return LMOD_INIT
 
 
