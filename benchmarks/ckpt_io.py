@@ -12,6 +12,7 @@ after the other on the same state:
   rank needs the whole state);
 * ``hpctrain``: ``save_checkpoint`` on every rank (checksums, collective write, verify,
   fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
+  ``hpctrain_unaligned``: the layout of before the aligned one (``checkpoint.alignment = 1``);
 * ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank.
 
 Before the first load the file is dropped from the page cache (``posix_fadvise``), so
@@ -294,7 +295,8 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
     parser.add_argument("--methods", nargs="*",
-                        default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "dcp"])
+                        default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "hpctrain_unaligned",
+                                 "dcp"])
     parser.add_argument("--stall", action="store_true", help="also measure the training stall")
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
@@ -322,6 +324,7 @@ def main():
     state_bytes = nbytes(tensors)
 
     from hpctrain.checkpoint import load_checkpoint, save_checkpoint
+    from hpctrain.checkpoint.iosettings import IOSettings
 
     dcp_error = None
     if "dcp" in args.methods:
@@ -345,6 +348,9 @@ def main():
                      lambda: load_checkpoint(path("hpctrain"), state, comm), True),
         "hpctrain_noverify": (lambda: save_checkpoint(path("hpctrain_noverify"), state, comm, verify=False),
                               None, True),
+        # The layout of before the aligned one (checkpoint.alignment = 1): the aligned save must not be slower.
+        "hpctrain_unaligned": (lambda: save_checkpoint(path("hpctrain_unaligned"), state, comm, io=IOSettings()),
+                               lambda: load_checkpoint(path("hpctrain_unaligned"), state, comm), True),
         "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
     }
     chosen = [m for m in args.methods if not (m == "dcp" and dcp_error)]
