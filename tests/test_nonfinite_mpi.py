@@ -30,7 +30,8 @@ needs_horovod = pytest.mark.skipif(not _have_horovod(), reason="Horovod is not i
 def launch(bad, *overrides, checkpoints=False):
     out = Path(tempfile.mkdtemp(prefix="hpctrain-nonfinite-"))
     args = [SCRIPT, out, "--bad", ",".join(map(str, bad))] + (["--checkpoints"] if checkpoints else [])
-    result = mpirun(2, args + list(overrides), timeout=120)
+    # per_rank: each rank's own output; mpirun's merged streams can splice two ranks' lines together.
+    result = mpirun(2, args + list(overrides), timeout=120, per_rank=True)
     ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
     info = json.loads((out / "result.json").read_text())
     return result, ranks, info
@@ -102,7 +103,7 @@ def test_stop_names_the_step_and_tensor_on_every_rank_and_keeps_the_good_checkpo
     result, ranks, info = launch([5], "train.on_nonfinite=stop", checkpoints=True)
     assert result.returncode == 5, result.output[-4000:]
     for r in range(2):
-        line = next(l for l in result.stdout.splitlines() if l.startswith(f"RANK {r} NONFINITE"))
+        line = next(l for l in result.ranks[r].splitlines() if l.startswith(f"RANK {r} NONFINITE"))
         assert "training stopped at step 5: the averaged gradients are not finite; first non-finite " \
                "gradient: " in line and "weight (NaN)" in line, line
     assert "HINT: lower train.lr" in result.stdout and checkpoint_name(4) in result.stdout
