@@ -277,7 +277,7 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES, alignment=1):
         size = nbytes_of(shape, itemsize)
         if shape and size >= split_bytes and nranks > 1 and shape[0] > 1:
             rows, width = shape[0], row_bytes(shape, itemsize)
-            pieces = aligned_cuts(rows, width, nranks, alignment) if alignment > 1 else None
+            pieces = aligned_cuts(rows, width, nranks, alignment)
             if pieces is None:
                 pieces = [(rank, rows * rank // nranks, rows * (rank + 1) // nranks) for rank in range(nranks)]
             pieces = [(rank, start, stop) for rank, start, stop in pieces if stop > start]
@@ -296,10 +296,13 @@ def aligned_cuts(rows, row_bytes, nparts, alignment):
     """``[(part, start_row, stop_row)]`` of ``rows`` rows of ``row_bytes`` cut into at most ``nparts`` nearly
     equal parts, each starting a multiple of ``alignment`` bytes from the dataset's start; fewer parts where
     the rows hold fewer aligned steps (part indices then spread over ``range(nparts)``). None where not even
-    one step fits (rows much longer than the alignment and no common multiple in reach) ."""
+    one step fits (rows much longer than the alignment and no common multiple in reach), or without an
+    alignment (``alignment`` <= 1)."""
+    if alignment <= 1:
+        return None
     unit = alignment // math.gcd(alignment, row_bytes)  # rows per aligned step
     steps = rows // unit
-    if alignment <= 1 or steps < 1:
+    if steps < 1:
         return None
     parts = min(nparts, steps)
     cuts = [0] + [round(steps * k / parts) * unit for k in range(1, parts)] + [rows]
