@@ -22,6 +22,9 @@ before the save, on the worst rank. ``--stall``: training steps (mpi backend) wi
 ``CheckpointManager`` save in the middle, with and without ``async_save``, against the
 same steps without a save; each manager saves once before the timed repetitions, as a
 long run would have (an async save reuses the previous one's host buffers).
+``--train-steps N``: the process first trains the state's model N steps (a rollback or a resume
+after some work); ``--prefault-mib 0`` with one method and ``--reps 1`` per launch measures a
+fresh process, as a relaunch is.
 """
 import argparse
 import gc
@@ -206,16 +209,12 @@ def process_cpu():
     return r.ru_utime + r.ru_stime
 
 
-def stall(world, state, directory, steps, reps, batch):
-    """Seconds that a checkpoint save adds to ``steps`` training steps, sync and async."""
+def trainer(world, state, batch):
+    """``(train, backend)``: ``train(n)`` runs ``n`` data-parallel training steps of ``state`` (mpi backend)."""
     import torch
-    from mpi4py import MPI
 
     from hpctrain.backends import get_backend
-    from hpctrain.checkpoint import CheckpointManager
-    from hpctrain.config import CheckpointConfig
 
-    comm = world.comm
     backend = get_backend("mpi", world)
     model, opt = state.model, backend.distributed_optimizer(state.optimizer, state.model)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -229,6 +228,19 @@ def stall(world, state, directory, steps, reps, batch):
             backend.step(opt)
             opt.zero_grad()
             state.progress.step += 1
+
+    return train, backend
+
+
+def stall(world, state, directory, steps, reps, batch):
+    """Seconds that a checkpoint save adds to ``steps`` training steps, sync and async."""
+    from mpi4py import MPI
+
+    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.config import CheckpointConfig
+
+    comm = world.comm
+    train, backend = trainer(world, state, batch)
 
     managers = {mode: CheckpointManager(os.path.join(directory, mode), world,
                                         CheckpointConfig(async_save=(mode == "async"), keep_last=1))
@@ -304,6 +316,10 @@ def main():
     parser.add_argument("--prefault-mib", type=float, default=None,
                         help="memory to touch and free before each save and load (default: the state's "
                              "size; 0: none)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="training steps of the state's model before anything is measured (a resume or "
+                             "rollback in a process that trained first); 0: none, as in a fresh process")
+    parser.add_argument("--train-batch", type=int, default=64)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     PREFAULT["bytes"] = int((args.state_mib if args.prefault_mib is None else args.prefault_mib) * MIB)
@@ -320,6 +336,10 @@ def main():
         os.makedirs(directory, exist_ok=True)
     comm.Barrier()
     state, hidden = build_state(int(args.state_mib * MIB))
+    if args.train_steps:
+        train, backend = trainer(world, state, args.train_batch)
+        train(args.train_steps)
+        backend.close()
     tensors = tensors_of(state)
     state_bytes = nbytes(tensors)
 
