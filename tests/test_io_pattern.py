@@ -4,7 +4,8 @@ into the checkpoint file (offset and length); the file's layout is read back. On
 too; the data of a part goes out in one write; HDF5's metadata in a few; the file opens in plain h5py and
 h5dump. On 2, 4, 8 and 16 ranks: hpctrain makes the same number of collective calls per save, and the bytes
 rank 0 receives grow no faster than docs/performance.md ("At scale") says. An unaligned save (alignment = 1,
-the layout of before) shows what the checks catch, and still loads."""
+the layout of before) shows what the checks catch, and still loads. Without a hint asking for collective
+buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write."""
 import json
 import os
 import re
@@ -70,12 +71,18 @@ def data_extent(report, offset):
                  if d["offset"] <= offset < d["offset"] + d["nbytes"]), None)
 
 
-# Open MPI's OMPIO (its default) cuts a collective write among its aggregators at points of its own on a file
-# system that reports no stripe (on 16 ranks here: 4120576 into a 6 MB dataset), whatever the regions; ROMIO's
-# aggregators follow the aligned regions. So the 16-rank case runs on ROMIO (docs/performance.md, "At scale").
-@pytest.mark.parametrize("ranks, io", [(2, None), (4, None), (16, "romio321")], ids=["2", "4", "16-romio"])
-def test_a_collective_save_writes_aligned_parts_in_few_large_writes(strace, ranks, io):
-    report, writes = save(ranks, strace, io=io)
+COLLECTIVE = ("romio_cb_write=enable",)  # the hint that asks for collective writes, as on Lustre and GPFS
+
+
+# Without collective buffering (this disk's default) each rank writes its aligned parts alone. With it, Open MPI's
+# OMPIO (its default) cuts a collective write among its aggregators at points of its own on a file system that
+# reports no stripe (on 16 ranks here: 4120576 into a 6 MB dataset), whatever the regions; ROMIO's aggregators
+# follow the aligned regions. So the 16-rank collective case runs on ROMIO (docs/performance.md, "At scale").
+@pytest.mark.parametrize("ranks, hints, io", [(2, (), None), (16, (), None), (4, COLLECTIVE, None),
+                                              (16, COLLECTIVE, "romio321")],
+                         ids=["2", "16", "4-collective", "16-collective-romio"])
+def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, io):
+    report, writes = save(ranks, strace, 0, *hints, io=io)
     align = report["alignment"]
     assert align == MiB and "aligned on 1 MiB" in report["describe"]  # this machine's disk reports no stripe
     # The layout read back: every rank's part of a large dataset starts on the boundary.
@@ -92,6 +99,15 @@ def test_a_collective_save_writes_aligned_parts_in_few_large_writes(strace, rank
     data = [(o, n) for o, n in flat if data_extent(report, o) in large]
     assert len(data) <= parts, (len(data), parts, data)
     assert sum(n for _, n in data) == sum(d["nbytes"] for d in large.values())  # every byte once
+    if not hints:  # no collective buffering asked for (this disk's default): each rank writes its own parts
+        assert report["hints"] == {}
+        owned = {}  # rank -> the starts of its parts, as the plan gives them
+        for d in large.values():
+            for rank, start in zip(d["ranks"], d["starts"]):
+                owned.setdefault(rank, set()).add(start)
+        written = [w for w in (sorted(o for o, _ in mine if data_extent(report, o) in large) for mine in writes) if w]
+        # One process per rank wrote exactly its rank's parts, one write each: no aggregator wrote another's.
+        assert sorted(written) == sorted(sorted(s) for s in owned.values()), (written, owned)
     # HDF5's metadata: written collectively, in a few vectored writes per writer, not one per object.
     metadata = [[(o, n) for o, n in mine if data_extent(report, o) is None] for mine in writes]
     assert max(len(m) for m in metadata) <= 6, metadata

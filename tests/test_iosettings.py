@@ -37,6 +37,7 @@ def test_lustre_aligns_on_its_stripe_and_gets_collective_hints():
     assert io.alignment == 4 << 20 and "lustre stripe size" in io.alignment_from
     assert io.hints == {"romio_cb_write": "enable", "romio_ds_write": "disable", "striping_unit": str(4 << 20)}
     assert "aligned on 4 MiB" in io.describe() and "striping_unit=4194304" in io.describe()
+    assert io.collective_writes()  # collective buffering asked for: aggregators write whole stripes
 
 
 def test_a_local_disk_gets_the_default_alignment_and_no_hints():
@@ -45,6 +46,7 @@ def test_a_local_disk_gets_the_default_alignment_and_no_hints():
     assert io.h5py_kwargs() == {"alignment_threshold": fmt.SPLIT_BYTES, "alignment_interval": DEFAULT_ALIGNMENT,
                                 "meta_block_size": 1 << 20}
     assert io.mpi_info() is None
+    assert not io.collective_writes()  # aligned, no collective buffering: each rank writes its own parts
 
 
 def test_the_users_settings_win_and_hints_become_strings():
@@ -55,6 +57,19 @@ def test_the_users_settings_win_and_hints_become_strings():
     assert io.hints["striping_factor"] == "16" and io.hints["romio_cb_write"] == "disable"
     assert io.hints["romio_no_indep_rw"] == "true" and io.hints["striping_unit"] == str(1 << 20)
     assert "no alignment" in io.describe()
+    assert io.collective_writes()  # packed parts straddle boundaries: the aggregators merge them
+
+
+def test_only_a_hint_that_asks_for_them_or_forbids_independent_io_makes_aligned_writes_collective():
+    local = io_settings_for("/x", detected=("ext4", "/"), stripe=None)
+    assert not local.collective_writes()
+    for hints, collective in (({"romio_cb_write": "enable"}, True), ({"romio_no_indep_rw": True}, True),
+                              ({"romio_cb_write": "disable"}, False), ({"cb_nodes": 4}, False)):
+        io = io_settings_for("/x", io_hints=hints, detected=("ext4", "/"), stripe=None)
+        assert io.collective_writes() is collective, hints
+    lustre = io_settings_for("/x", io_hints={"romio_cb_write": "disable"}, detected=("lustre", "/lustre"),
+                             stripe=1 << 20)
+    assert not lustre.collective_writes()  # the user turned collective buffering off
 
 
 def test_an_unknown_file_system_is_said():
