@@ -13,7 +13,12 @@ after the other on the same state:
 * ``hpctrain``: ``save_checkpoint`` on every rank (checksums, collective write, verify,
   fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
   ``hpctrain_unaligned``: the layout of before the aligned one (``checkpoint.alignment = 1``);
-* ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank.
+  ``hpctrain_collective``: the aligned layout written in collective calls, as where the hints ask for
+  collective buffering (``romio_cb_write=enable``, the default on Lustre and GPFS);
+* ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank;
+* ``raw_shared`` and ``raw_per_rank`` (save only, not in the default list): every rank writes its share of
+  the tensors with plain writes and fsyncs, into one shared file or into a file of its own (as DCP does):
+  what the kernel and the disk give each layout.
 
 Before the first load the file is dropped from the page cache (``posix_fadvise``), so
 that load reads the disk (cold); a second load right after reads it from memory (warm, as
@@ -27,6 +32,7 @@ after some work); ``--prefault-mib 0`` with one method and ``--reps 1`` per laun
 fresh process, as a relaunch is.
 """
 import argparse
+import dataclasses
 import gc
 import os
 import shutil
@@ -87,6 +93,40 @@ def raw_load(path, tensors):
             got = 0
             while got < len(view):
                 got += f.readinto(view[got:])
+
+
+def halves(tensors, rank, size):
+    """``[(file offset, bytes)]`` of the tensors laid end to end, and the indices this rank writes (every
+    ``size``-th: the ranks' shares about even, as hpctrain's plan makes them)."""
+    arrays, offset, layout = [t.detach().numpy().reshape(-1).view("uint8") for t in tensors], 0, []
+    for a in arrays:
+        layout.append((offset, a))
+        offset += a.nbytes
+    return [layout[i] for i in range(rank, len(layout), size)]
+
+
+def raw_shared_save(path, tensors, comm):
+    """Every rank ``pwrite``s its share into one shared file, then fsyncs it: the floor of a shared file's save."""
+    if comm.Get_rank() == 0:
+        open(path, "wb").close()
+    comm.Barrier()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for offset, a in halves(tensors, comm.Get_rank(), comm.Get_size()):
+            os.pwrite(fd, a, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_per_rank_save(path, tensors, comm):
+    """Every rank writes its share into a file of its own, then fsyncs it: the floor of a file per rank (DCP)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, f"rank{comm.Get_rank()}"), "wb") as f:
+        for _, a in halves(tensors, comm.Get_rank(), comm.Get_size()):
+            f.write(a)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def torch_save(path, state):
@@ -308,7 +348,7 @@ def main():
     parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
     parser.add_argument("--methods", nargs="*",
                         default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "hpctrain_unaligned",
-                                 "dcp"])
+                                 "hpctrain_collective", "dcp"])
     parser.add_argument("--stall", action="store_true", help="also measure the training stall")
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
@@ -344,7 +384,14 @@ def main():
     state_bytes = nbytes(tensors)
 
     from hpctrain.checkpoint import load_checkpoint, save_checkpoint
-    from hpctrain.checkpoint.iosettings import IOSettings
+    from hpctrain.checkpoint.iosettings import IOSettings, io_settings_for
+
+    # What a training process has imported before its first save (the checkpoint manager imports h5py when it
+    # is made; a DCP user imports DCP at the top), so that no method's first repetition times an import.
+    import h5py  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    collective_io = dataclasses.replace(io_settings_for(directory), hints={"romio_cb_write": "enable"})
 
     dcp_error = None
     if "dcp" in args.methods:
@@ -357,7 +404,8 @@ def main():
 
     def path(name):
         return os.path.join(directory, {"raw": "raw.bin", "torch": "state.pt", "torch_all": "state-all.pt",
-                                        "dcp": "dcp"}.get(name, f"{name}.h5"))
+                                        "dcp": "dcp", "raw_shared": "shared.bin",
+                                        "raw_per_rank": "per-rank"}.get(name, f"{name}.h5"))
 
     methods = {
         "raw": (lambda: raw_save(path("raw"), tensors), lambda: raw_load(path("raw"), tensors), False),
@@ -371,12 +419,18 @@ def main():
         # The layout of before the aligned one (checkpoint.alignment = 1): the aligned save must not be slower.
         "hpctrain_unaligned": (lambda: save_checkpoint(path("hpctrain_unaligned"), state, comm, io=IOSettings()),
                                lambda: load_checkpoint(path("hpctrain_unaligned"), state, comm), True),
+        "hpctrain_collective": (lambda: save_checkpoint(path("hpctrain_collective"), state, comm, io=collective_io),
+                                lambda: load_checkpoint(path("hpctrain_collective"), state, comm), True),
         "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
+        "raw_shared": (lambda: raw_shared_save(path("raw_shared"), tensors, comm), None, True),
+        "raw_per_rank": (lambda: raw_per_rank_save(path("raw_per_rank"), tensors, comm), None, True),
     }
     chosen = [m for m in args.methods if not (m == "dcp" and dcp_error)]
     runs = {m: [] for m in chosen}
-    for _ in range(args.reps):  # interleaved: the disk's mood changes over minutes
-        for name in chosen:
+    for rep in range(args.reps):  # interleaved: the disk's mood changes over minutes
+        # Each repetition starts with the next method: the first of a round pays for what the machine did
+        # between rounds (here 0.1-0.2 s more on a save of 250 MiB, whichever method was first).
+        for name in chosen[rep % len(chosen):] + chosen[:rep % len(chosen)]:
             save, load, collective = methods[name]
             try:
                 runs[name].append(measure(world, name, path(name), save, load, collective))

@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MIB = 2 ** 20
 ROUNDS = 3  # launches of each compared training-step implementation, alternated
+FRESH_ROUNDS = 4  # launches of each checkpoint method in fresh processes, alternated
 
 sys.path.insert(0, HERE)
 import conditions  # noqa: E402
@@ -90,6 +91,7 @@ def plan(quick, out):
     ckpt = (["--state-mib", "128", "--reps", "1", "--stall", "--stall-steps", "1", "--stall-reps", "1"] if quick
             else ["--state-mib", "1100", "--reps", "3", "--stall", "--stall-steps", "3", "--stall-reps", "4"])
     launches.append(("ckpt_io-2", 2, ["ckpt_io.py"] + ckpt + j("ckpt_io-2"), 300 if quick else 900))
+    launches += ckpt_settings_plan(quick, j)
     # The async stall where the writer has a core to itself: one rank given both cores here
     # (mpirun binds a rank to one core by default when it starts one or two).
     stall = ckpt[ckpt.index("--stall"):]
@@ -116,6 +118,26 @@ def plan(quick, out):
         name = f"zero_memory-limit-{mode}-4"
         launches.append((name, 4, ["zero_memory.py", "--mode", mode] + limit + j(name), 240 if quick else 900))
     launches += comm_modes_plan(quick, out, j)
+    return launches
+
+
+def ckpt_settings_plan(quick, j):
+    """hpctrain's checkpoint against DCP as a user's process meets it, no memory touched beforehand
+    (``--prefault-mib 0``): in fresh processes, one save and load per launch, the two alternating over
+    ``FRESH_ROUNDS`` rounds (as after a relaunch); and in one process that trains first (a rollback, or a
+    resume after some work), the two interleaved."""
+    size = ["--state-mib", "128" if quick else "1100", "--prefault-mib", "0"]
+    launches = []
+    for r in range(1 if quick else FRESH_ROUNDS):
+        for method in (("hpctrain", "dcp") if r % 2 == 0 else ("dcp", "hpctrain")):
+            name = f"ckpt_io-fresh-{method}-r{r}"
+            launches.append((name, 2, ["ckpt_io.py", "--methods", method, "--reps", "1"] + size + j(name),
+                             240 if quick else 300))
+    trained = ["--train-steps", "2" if quick else "10", "--reps", "1" if quick else "5"]
+    # With the floors of the two layouts: plain writes of each rank's share into one file, and into one per rank.
+    launches.append(("ckpt_io-trained-2", 2, ["ckpt_io.py", "--methods", "hpctrain", "dcp", "raw_shared",
+                                              "raw_per_rank"] + size + trained
+                     + j("ckpt_io-trained-2"), 300 if quick else 900))
     return launches
 
 

@@ -254,6 +254,37 @@ def test_report_refuses_a_ratio_from_a_busy_launch(tmp_path):
     assert "| allreduce-horovod-2 | 5 | 0.5 | 1.0 | 0.10 | 0% | no: load 3.1 > 2 cores before the launch |" in table
 
 
+def _ckpt_doc(rows):
+    return {"benchmark": "ckpt_io", "ranks": 2, "results": {"state_bytes": 2 ** 30, "methods": [
+        {"method": m, "save_samples_s": saves, "load_samples_s": loads} for m, saves, loads in rows]}}
+
+
+def test_checkpoint_settings_judge_hpctrain_against_dcp_in_each(tmp_path):
+    from report import render
+
+    # Fresh processes: one sample per launch, the methods alternating; hpctrain's save slower, load faster.
+    for r, (ours, dcp) in enumerate(((1.2, 1.0), (1.4, 1.0), (1.3, 1.1))):
+        (tmp_path / f"ckpt_io-fresh-hpctrain-r{r}.json").write_text(json.dumps(_ckpt_doc([("hpctrain", [ours], [0.5])])))
+        (tmp_path / f"ckpt_io-fresh-dcp-r{r}.json").write_text(json.dumps(_ckpt_doc([("dcp", [dcp], [0.6])])))
+    (tmp_path / "ckpt_io-trained-2.json").write_text(json.dumps(_ckpt_doc([
+        ("hpctrain", [0.9, 1.0, 1.1], [0.7, 0.8, 0.9]), ("dcp", [1.0, 1.1, 1.2], [0.6, 0.6, 0.7]),
+        ("raw_shared", [0.6, 0.7], []), ("raw_per_rank", [0.5, 0.5], [])])))
+    entry = lambda name, ok: {"name": name, "rc": 0, "seconds": 5.0, "conditions": _cond(),  # noqa: E731
+                              "publishable": ok, "why_not": "" if ok else "load 3.0 > 2 cores before the launch"}
+    (tmp_path / "launches.json").write_text(json.dumps({"launches": [
+        entry(p.stem, p.stem != "ckpt_io-trained-2") for p in tmp_path.glob("ckpt_io-*.json")]}))
+    table = render(str(tmp_path))
+    assert "| fresh process (one save and load per launch, as after a relaunch) | 3 + 3 | 1.30 | 1.20-1.40 | 1.00 " in table
+    assert "into one shared file (hpctrain's layout) 0.65 s (0.60-0.70), into a file of its own (DCP's) 0.50 s" in table
+    assert targets(table) == {
+        "checkpoint save <= DCP (fresh process)": ("1.30", "MISSED"),
+        "checkpoint load <= DCP (fresh process)": ("0.83", "met"),
+        # a busy launch publishes no verdict
+        "checkpoint save <= DCP (trained first)": ("0.91", "unpublished"),
+        "checkpoint load <= DCP (trained first)": ("1.33", "unpublished"),
+    }
+
+
 def _step_doc(impl, step, local):
     return {"benchmark": "train_step", "ranks": 2, "results": {
         "impl": impl, "compression": "none", "model": "large", "parameters": 1e6, "tensors": 4,
