@@ -368,9 +368,10 @@ def ckpt_settings_section(docs, verdicts):
     floors = {m: spread(ckpt_samples(docs, launches["trained first"], m)[0]) for m in ("raw_shared", "raw_per_rank")}
     if lines and all(median for median, _ in floors.values()):
         (shared, shared_range), (own, own_range) = floors["raw_shared"], floors["raw_per_rank"]
+        within = lambda r: f" ({r})" if r else ""  # noqa: E731
         lines += ["", f"The floors in the trained-first launch, every rank writing its share with plain writes and "
-                      f"an fsync: into one shared file (hpctrain's layout) {shared:.2f} s ({shared_range}), into a "
-                      f"file of its own (DCP's) {own:.2f} s ({own_range}), {shared / own:.2f}x."]
+                      f"an fsync: into one shared file (hpctrain's layout) {shared:.2f} s{within(shared_range)}, into "
+                      f"a file of its own (DCP's) {own:.2f} s{within(own_range)}, {shared / own:.2f}x."]
     return lines
 
 
