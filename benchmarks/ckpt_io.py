@@ -430,7 +430,8 @@ def main():
     for rep in range(args.reps):  # interleaved: the disk's mood changes over minutes
         # Each repetition starts with the next method: the first of a round pays for what the machine did
         # between rounds (here 0.1-0.2 s more on a save of 250 MiB, whichever method was first).
-        for name in chosen[rep % len(chosen):] + chosen[:rep % len(chosen)]:
+        first = rep % len(chosen) if chosen else 0
+        for name in chosen[first:] + chosen[:first]:
             save, load, collective = methods[name]
             try:
                 runs[name].append(measure(world, name, path(name), save, load, collective))

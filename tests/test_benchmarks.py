@@ -91,6 +91,27 @@ def test_ckpt_io(tmp_path):
     assert list((tmp_path / "scratch").glob("*.h5")) == []  # removed after each measurement
 
 
+@pytest.mark.mpi
+def test_ckpt_io_as_make_bench_launches_it_without_touched_memory(tmp_path):
+    # The trained-first launch: training steps first, the methods rotated, the two layouts' floors.
+    out = tmp_path / "trained.json"
+    run(2, "ckpt_io.py", "--state-mib", "4", "--reps", "2", "--prefault-mib", "0", "--train-steps", "1",
+        "--methods", "hpctrain", "dcp", "raw_shared", "raw_per_rank", "--dir", tmp_path / "scratch", "--out", out,
+        timeout=240)
+    r = read(out)["results"]
+    assert r["prefault_bytes"] == 0
+    methods = {m["method"]: m for m in r["methods"]}
+    assert {"hpctrain", "raw_shared", "raw_per_rank"} <= set(methods) and ("dcp" in methods or r["dcp_error"])
+    for name, m in methods.items():
+        assert m["reps"] == 2 and len(m["save_samples_s"]) == 2 and m["file_bytes"] >= 0.9 * r["state_bytes"], name
+        assert (m["load_s"] is None) == name.startswith("raw_"), name  # the floors only save
+    # The async stall alone, no method (the 1-rank launch of make bench).
+    run(1, "ckpt_io.py", "--methods", "--state-mib", "4", "--stall", "--stall-steps", "1", "--stall-reps", "1",
+        "--out", tmp_path / "stall.json", timeout=240)
+    r = read(tmp_path / "stall.json")["results"]
+    assert r["methods"] == [] and r["stall"]["async"]["total_s"] > 0
+
+
 def targets(table):
     """The rows of the report's ``## Targets`` table: {target: (measured, verdict)}."""
     assert "## Targets\n\n" in table and "\n| target | measured | verdict |\n|---|---|---|\n" in table, table
