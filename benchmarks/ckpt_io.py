@@ -10,7 +10,7 @@ after the other on the same state:
 * ``torch``: rank 0 ``torch.save`` + fsync; ``torch.load`` + ``load_state_dict``;
 * ``torch_all``: the same file, loaded by every rank (a replicated resume with torch: each
   rank needs the whole state);
-* ``hpctrain``: ``save_checkpoint`` on every rank (checksums, collective write, verify,
+* ``hpctrain``: ``save_checkpoint`` on every rank (checksums, parallel HDF5 write, verify,
   fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
   ``hpctrain_unaligned``: the layout of before the aligned one (``checkpoint.alignment = 1``);
   ``hpctrain_collective``: the aligned layout written in collective calls, as where the hints ask for
@@ -96,8 +96,8 @@ def raw_load(path, tensors):
 
 
 def halves(tensors, rank, size):
-    """``[(file offset, bytes)]`` of the tensors laid end to end, and the indices this rank writes (every
-    ``size``-th: the ranks' shares about even, as hpctrain's plan makes them)."""
+    """``[(file offset, bytes as uint8)]`` of the tensors this rank writes, the tensors laid end to end: every
+    ``size``-th one, so that the ranks' shares are about even, as hpctrain's plan makes them."""
     arrays, offset, layout = [t.detach().numpy().reshape(-1).view("uint8") for t in tensors], 0, []
     for a in arrays:
         layout.append((offset, a))
@@ -106,7 +106,7 @@ def halves(tensors, rank, size):
 
 
 def raw_shared_save(path, tensors, comm):
-    """Every rank ``pwrite``s its share into one shared file, then fsyncs it: the floor of a shared file's save."""
+    """Every rank ``pwrite``s its share into one shared file, then fsyncs it: a shared file's floor."""
     if comm.Get_rank() == 0:
         open(path, "wb").close()
     comm.Barrier()
@@ -120,7 +120,7 @@ def raw_shared_save(path, tensors, comm):
 
 
 def raw_per_rank_save(path, tensors, comm):
-    """Every rank writes its share into a file of its own, then fsyncs it: the floor of a file per rank (DCP)."""
+    """Every rank writes its share into a file of its own, then fsyncs it: the floor of DCP's layout."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, f"rank{comm.Get_rank()}"), "wb") as f:
         for _, a in halves(tensors, comm.Get_rank(), comm.Get_size()):
@@ -419,8 +419,9 @@ def main():
         # The layout of before the aligned one (checkpoint.alignment = 1): the aligned save must not be slower.
         "hpctrain_unaligned": (lambda: save_checkpoint(path("hpctrain_unaligned"), state, comm, io=IOSettings()),
                                lambda: load_checkpoint(path("hpctrain_unaligned"), state, comm), True),
-        "hpctrain_collective": (lambda: save_checkpoint(path("hpctrain_collective"), state, comm, io=collective_io),
-                                lambda: load_checkpoint(path("hpctrain_collective"), state, comm), True),
+        "hpctrain_collective": (
+            lambda: save_checkpoint(path("hpctrain_collective"), state, comm, io=collective_io),
+            lambda: load_checkpoint(path("hpctrain_collective"), state, comm), True),
         "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
         "raw_shared": (lambda: raw_shared_save(path("raw_shared"), tensors, comm), None, True),
         "raw_per_rank": (lambda: raw_per_rank_save(path("raw_per_rank"), tensors, comm), None, True),

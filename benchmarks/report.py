@@ -270,14 +270,15 @@ def ckpt_section(docs, verdicts):
              "same file again from memory. raw = numpy tofile+fsync "
              "/ readinto on one rank; torch = torch.save+fsync / torch.load+load_state_dict on one rank; "
              "torch_all = the same file loaded by every rank (a replicated resume); "
-             "hpctrain = save_checkpoint (checksums, collective HDF5 write, verify re-read, fsync, rename) / "
+             "hpctrain = save_checkpoint (checksums, parallel HDF5 write, verify re-read, fsync, rename) / "
              "load_checkpoint on 2 ranks; dcp = torch.distributed.checkpoint over gloo on 2 ranks. "
              "peak extra = highest RSS above the level before the save, worst rank.", "",
              "| method | save s | save min-max | save x torch | save GB/s | save BW / raw BW | load s "
              "| load min-max | load x torch | warm load s | warm load x torch | peak extra / state |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     every, dcp = rows.get("torch_all"), rows.get("dcp")
-    for name in ("raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "dcp"):
+    for name in ("raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "hpctrain_unaligned",
+                 "hpctrain_collective", "dcp"):
         r = rows.get(name)
         if not r:
             continue
@@ -321,9 +322,10 @@ def ckpt_section(docs, verdicts):
     return lines
 
 
-CKPT_SETTINGS = (("fresh process", "one save and load per launch, as after a relaunch"),
-                 ("trained first", "training steps of the state's model before the repetitions, as a rollback "
-                                   "or a resume after some work"))
+CKPT_SETTINGS = (
+    ("fresh process", "one save and load per launch, as after a relaunch"),
+    ("trained first", "training steps of the state's model before the repetitions, as a rollback or a resume "
+                      "after some work"))
 
 
 def ckpt_samples(docs, names, method):
@@ -350,9 +352,10 @@ def ckpt_settings_section(docs, verdicts):
             continue
         if not lines:
             first = docs[names[0]]["results"]
-            lines = ["", f"### Checkpoint I/O as a user's process meets it: {first['state_bytes'] / 2 ** 30:.2f} GiB, "
-                         "2 ranks, no memory touched beforehand (section 3's table pre-touches it before each save "
-                         "and load: an extra row, which users' processes do not have)", "",
+            gib = first["state_bytes"] / 2 ** 30
+            lines = ["", f"### Checkpoint I/O as a user's process meets it: {gib:.2f} GiB, 2 ranks, no memory "
+                         "touched beforehand (section 3's table pre-touches it before each save and load: an "
+                         "extra row, which users' processes do not have)", "",
                      "| setting | samples | hpctrain save s | min-max | DCP save s | min-max | save / DCP "
                      "| hpctrain load s | min-max | DCP load s | min-max | load / DCP |",
                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -365,13 +368,15 @@ def ckpt_settings_section(docs, verdicts):
                      f"| {fmt(l_dcp)} | {l_dcp_range} | {fmt(load_ratio)} |")
         verdicts += [(f"checkpoint save <= DCP ({setting})", save_ratio, ok(save_ratio, 1.0), names),
                      (f"checkpoint load <= DCP ({setting})", load_ratio, ok(load_ratio, 1.0), names)]
-    floors = {m: spread(ckpt_samples(docs, launches["trained first"], m)[0]) for m in ("raw_shared", "raw_per_rank")}
+    floors = {m: spread(ckpt_samples(docs, launches["trained first"], m)[0])
+              for m in ("raw_shared", "raw_per_rank")}
     if lines and all(median for median, _ in floors.values()):
         (shared, shared_range), (own, own_range) = floors["raw_shared"], floors["raw_per_rank"]
         within = lambda r: f" ({r})" if r else ""  # noqa: E731
-        lines += ["", f"The floors in the trained-first launch, every rank writing its share with plain writes and "
-                      f"an fsync: into one shared file (hpctrain's layout) {shared:.2f} s{within(shared_range)}, into "
-                      f"a file of its own (DCP's) {own:.2f} s{within(own_range)}, {shared / own:.2f}x."]
+        lines += ["", f"The floors in the trained-first launch, every rank writing its share with plain writes "
+                      f"and an fsync: into one shared file (hpctrain's layout) {shared:.2f} s"
+                      f"{within(shared_range)}, into a file of its own (DCP's) {own:.2f} s{within(own_range)}, "
+                      f"{shared / own:.2f}x."]
     return lines
 
 

@@ -134,7 +134,7 @@ def ckpt_settings_plan(quick, j):
             launches.append((name, 2, ["ckpt_io.py", "--methods", method, "--reps", "1"] + size + j(name),
                              240 if quick else 300))
     trained = ["--train-steps", "2" if quick else "10", "--reps", "1" if quick else "5"]
-    # With the floors of the two layouts: plain writes of each rank's share into one file, and into one per rank.
+    # With the floors of the two layouts: plain writes of each rank's share into one file, and into its own.
     launches.append(("ckpt_io-trained-2", 2, ["ckpt_io.py", "--methods", "hpctrain", "dcp", "raw_shared",
                                               "raw_per_rank"] + size + trained
                      + j("ckpt_io-trained-2"), 300 if quick else 900))

@@ -105,7 +105,8 @@ def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, i
         for d in large.values():
             for rank, start in zip(d["ranks"], d["starts"]):
                 owned.setdefault(rank, set()).add(start)
-        written = [w for w in (sorted(o for o, _ in mine if data_extent(report, o) in large) for mine in writes) if w]
+        written = [sorted(o for o, _ in mine if data_extent(report, o) in large) for mine in writes]
+        written = [w for w in written if w]
         # One process per rank wrote exactly its rank's parts, one write each: no aggregator wrote another's.
         assert sorted(written) == sorted(sorted(s) for s in owned.values()), (written, owned)
     # HDF5's metadata: written collectively, in a few vectored writes per writer, not one per object.

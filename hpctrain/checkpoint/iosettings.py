@@ -44,12 +44,12 @@ class IOSettings:
                 "meta_block_size": META_BLOCK}
 
     def collective_writes(self):
-        """Whether a foreground save writes the parts of split datasets in collective calls: where the layout
-        is packed (parts straddle boundaries, and the aggregators merge them) or the hints ask for collective
-        buffering (``romio_cb_write=enable``, the default on shared-file systems: a few aggregators write whole
-        stripes) or forbid independent I/O (``romio_no_indep_rw=true``). Otherwise each rank writes its aligned
-        parts alone: no rank waits for another between datasets, and no aggregator cuts a part off its boundary
-        (docs/performance.md, "At scale")."""
+        """Whether a foreground save writes the parts of split datasets in collective calls: where the
+        layout is packed (parts straddle boundaries, and the aggregators merge them), or the hints ask for
+        collective buffering (``romio_cb_write=enable``, the default on shared-file systems: a few aggregators
+        write whole stripes) or forbid independent I/O (``romio_no_indep_rw=true``). Otherwise each rank
+        writes its aligned parts alone: no rank waits for another between datasets, and no aggregator cuts a
+        part off its boundary (docs/performance.md, "At scale")."""
         return (self.alignment <= 1 or self.hints.get("romio_cb_write") == "enable"
                 or self.hints.get("romio_no_indep_rw") == "true")
 
