@@ -95,7 +95,7 @@ def raw_load(path, tensors):
                 got += f.readinto(view[got:])
 
 
-def halves(tensors, rank, size):
+def share_of(tensors, rank, size):
     """``[(file offset, bytes as uint8)]`` of the tensors this rank writes, the tensors laid end to end: every
     ``size``-th one, so that the ranks' shares are about even, as hpctrain's plan makes them."""
     arrays, offset, layout = [t.detach().numpy().reshape(-1).view("uint8") for t in tensors], 0, []
@@ -112,7 +112,7 @@ def raw_shared_save(path, tensors, comm):
     comm.Barrier()
     fd = os.open(path, os.O_WRONLY)
     try:
-        for offset, a in halves(tensors, comm.Get_rank(), comm.Get_size()):
+        for offset, a in share_of(tensors, comm.Get_rank(), comm.Get_size()):
             os.pwrite(fd, a, offset)
         os.fsync(fd)
     finally:
@@ -123,7 +123,7 @@ def raw_per_rank_save(path, tensors, comm):
     """Every rank writes its share into a file of its own, then fsyncs it: the floor of DCP's layout."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, f"rank{comm.Get_rank()}"), "wb") as f:
-        for _, a in halves(tensors, comm.Get_rank(), comm.Get_size()):
+        for _, a in share_of(tensors, comm.Get_rank(), comm.Get_size()):
             f.write(a)
         f.flush()
         os.fsync(f.fileno())
@@ -391,7 +391,11 @@ def main():
     import h5py  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
-    collective_io = dataclasses.replace(io_settings_for(directory), hints={"romio_cb_write": "enable"})
+    collective_io = None
+    if "hpctrain_collective" in args.methods:  # rank 0 chooses them for every rank, as a save does
+        if world.rank == 0:
+            collective_io = dataclasses.replace(io_settings_for(directory), hints={"romio_cb_write": "enable"})
+        collective_io = comm.bcast(collective_io, root=0)
 
     dcp_error = None
     if "dcp" in args.methods:
