@@ -236,10 +236,10 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True, io=
     written by that rank alone (independent I/O), so small tensors cost no collective call and no rank waits
     on another's small write. ``collective=False`` (a background save), or an aligned layout without
     collective buffering: every piece is written independently. Each piece is checksummed (and checked for
-    NaN) right before it is written, so the disk is busy from the first dataset on; the checksums, the same on every rank once
-    gathered, are written into their attributes after the data (:func:`seal`). A NaN found on any rank refuses
-    the save on all, and the file is left for the caller to remove. ``io``: the layout and MPI-IO hints
-    (:class:`~.iosettings.IOSettings`; None: HDF5's packing, no hints)."""
+    NaN) right before it is written, so the disk is busy from the first dataset on; the checksums, the same on
+    every rank once gathered, are written into their attributes after the data (:func:`seal`). A NaN found on
+    any rank refuses the save on all, and the file is left for the caller to remove. ``io``: the layout and
+    MPI-IO hints (:class:`~.iosettings.IOSettings`; None: HDF5's packing, no hints)."""
     import h5py
 
     rank = comm.Get_rank()
