@@ -57,7 +57,7 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
         try:
             if verify:
                 expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
-                reader.verify_written(tmp, expected, comm, parallel)
+                reader.verify_written(tmp, expected, comm, parallel, direct=io_of(info).direct_writes())
         finally:
             problems = synced()
         agree(problems, comm, tmp, "syncing")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from . import format as fmt
+from .directio import BLOCK
 
 DEFAULT_ALIGNMENT = 1 << 20  # 1 MiB: Lustre's default stripe size, and a divisor of GPFS block sizes
 # HDF5 aligns objects from this size on: the datasets split among ranks (format.SPLIT_BYTES). Smaller ones stay
@@ -24,6 +25,8 @@ META_BLOCK = 1 << 20
 # whole stripes) and no data sieving (a read-modify-write of the gaps) pay there.
 PARALLEL = ("lustre", "gpfs", "beegfs", "wekafs", "pvfs2", "orangefs")
 COLLECTIVE_HINTS = {"romio_cb_write": "enable", "romio_ds_write": "disable"}
+# Local file systems where ranks' buffered writes into one file wait on its inode lock, and O_DIRECT is solid.
+DIRECT = ("ext4", "xfs")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class IOSettings:
         return (self.alignment <= 1 or self.hints.get("romio_cb_write") == "enable"
                 or self.hints.get("romio_no_indep_rw") == "true")
 
+    def direct_writes(self):
+        """Whether each rank writes its aligned parts of split datasets with ``O_DIRECT`` (:mod:`.directio`):
+        where it writes them alone, the layout is aligned on whole blocks, and the file system is one of
+        ``DIRECT``. Elsewhere (Lustre, GPFS, NFS, tmpfs, unknown) through HDF5 as before."""
+        return (not self.collective_writes() and self.alignment % BLOCK == 0
+                and self.filesystem in DIRECT)
+
     def mpi_info(self):
         """The hints as an ``MPI.Info`` (None without hints); the caller frees it."""
         if not self.hints:
@@ -69,7 +79,8 @@ class IOSettings:
         align = (f"large datasets and each rank's part aligned on {_size(self.alignment)} ({self.alignment_from})"
                  if self.alignment > 1 else "no alignment (checkpoint.alignment = 1)")
         hints = ", ".join(f"{k}={v}" for k, v in sorted(self.hints.items())) or "none"
-        return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}"
+        direct = "; parts written with O_DIRECT" if self.direct_writes() else ""
+        return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}{direct}"
 
 
 def io_of(info):

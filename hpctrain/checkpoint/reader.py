@@ -10,6 +10,7 @@ from ..runtime.flat import bcast_bytes
 from ..errors import CheckpointError
 from . import format as fmt
 from .agreement import agree
+from .directio import open_direct_reader
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -256,6 +257,12 @@ def _scratch(shapes):
     return np.empty(need, dtype=np.uint8)
 
 
+def _raw_offset(dset):
+    """Where ``dset``'s bytes start in the file, if they lie there as they are checksummed (contiguous, placed,
+    little-endian); else None."""
+    return dset.id.get_offset() if dset.dtype.byteorder != ">" else None
+
+
 def close_recording(f, errors):
     """Close ``f`` if open; a failure becomes one more entry of ``errors``."""
     if f is not None:
@@ -288,28 +295,36 @@ def _crc_rows(dset, start, stop, shape, dtype, scratch, finite=None):
     return crc, total, ok
 
 
-def verify_written(path, expected, comm, parallel):
+def verify_written(path, expected, comm, parallel, direct=False):
     """Collective: re-read ``path`` (each rank its share) and compare with ``expected``
-    (``{dataset path: crc}``). The same CheckpointError on every rank on a mismatch."""
+    (``{dataset path: crc}``). The same CheckpointError on every rank on a mismatch. ``direct``: the parts
+    of split datasets were written with ``O_DIRECT`` (:mod:`.directio`) and are read back so."""
     rank, size = comm.Get_rank(), comm.Get_size()
     paths = sorted(expected)
     nreaders = size if parallel else 1
-    sums, errors, f = [], [], None
+    sums, errors, f, raw = [], [], None, None
     if parallel or rank == 0:
         try:
             f = open_for_read(path, comm, parallel)
+            raw = open_direct_reader(path, VERIFY_BYTES) if direct and parallel else None
             shapes = [(f[p].shape, f[p].dtype) for p in paths]
             plan = fmt.plan_pieces([(s, d.itemsize) for s, d in shapes], nreaders)
             scratch = _scratch([sd for sd, pieces in zip(shapes, plan) if any(r == rank for r, _, _ in pieces)])
             for i, (p, (shape, dtype), pieces) in enumerate(zip(paths, shapes, plan)):
                 rb = fmt.row_bytes(shape, dtype.itemsize)
+                offset = _raw_offset(f[p]) if raw is not None and len(pieces) > 1 else None
                 for r, start, stop in pieces:
-                    if r == rank:
+                    if r == rank and offset is not None:
+                        nbytes = (stop - start) * rb
+                        sums.append((i, start * rb, nbytes, raw.crc(offset + start * rb, nbytes, fmt.crc32)))
+                    elif r == rank:
                         crc, nbytes, _ = _crc_rows(f[p], start, stop, shape, dtype, scratch)
                         sums.append((i, start * rb, nbytes, crc))
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
         finally:
+            if raw is not None:
+                raw.close()
             close_recording(f, errors)
     agree(errors, comm, path, "verifying")
     found = fmt.combine_checksums(comm.allgather(sums), len(paths))
