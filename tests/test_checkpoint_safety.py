@@ -1,5 +1,6 @@
 """Checkpoint safety under a real mpirun (hpctrain issue 12): roll back and branches,
-non-finite state refused, a failed `latest` write, a one-rank HDF5 error, async overlap."""
+non-finite state refused, a failed `latest` write, a one-rank HDF5 error, a damaged direct write caught by the
+verification, async overlap."""
 import os
 import re
 import time
@@ -22,14 +23,14 @@ def test_load_latest_skips_damaged_and_ignores_resume_setting(tmp_path):
 
 
 SCENARIOS = ["nan_refused", "nan_in_foreign_file", "rollback", "latest_write_fails", "fsync_fails_on_one_rank",
-             "async_overlaps"]
+             "direct_write_damaged", "async_overlaps"]
 
 
 def test_scenarios(tmp_path, capsys):
     result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, *SCENARIOS], timeout=TIMEOUT).check()
     for name in SCENARIOS:
         ranks_say(result, f"{name} OK", 2)
-    for name in ("nan_refused", "latest_write_fails", "fsync_fails_on_one_rank"):
+    for name in ("nan_refused", "latest_write_fails", "fsync_fails_on_one_rank", "direct_write_damaged"):
         ranks_say(result, f"{name} ERROR: ", 2)
     # a resumed run says so at the default level, on rank 0 only
     said = [line for line in result.stdout.splitlines() if line.startswith("hpctrain: resumed from")]

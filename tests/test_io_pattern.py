@@ -5,7 +5,9 @@ too; the data of a part goes out in one write; HDF5's metadata in a few; the fil
 h5dump. On 2, 4, 8 and 16 ranks: hpctrain makes the same number of collective calls per save, and the bytes
 rank 0 receives grow no faster than docs/performance.md ("At scale") says. An unaligned save (alignment = 1,
 the layout of before) shows what the checks catch, and still loads. Without a hint asking for collective
-buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write."""
+buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write, through a descriptor opened with
+O_DIRECT (the disk here is ext4), and the verification reads them back through such a descriptor; with it, or
+unaligned, nothing is written or read so."""
 import json
 import os
 import re
@@ -25,7 +27,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 SCRIPT = ROOT / "tests" / "mpi" / "io_pattern.py"
 MiB = 1 << 20
 # pwrite64(fd</path>, "..."..., count, offset) = n; pwritev(fd</path>, [...], iovcnt, offset) = n
-WRITE = re.compile(r"^(pwrite64|pwritev)\(\d+<([^>]*)>, .*, (\d+)\) = (\d+)$")
+WRITE = re.compile(r"^(pwrite64|pwritev)\((\d+)<([^>]*)>, .*, (\d+)\) = (\d+)$")
+# openat(AT_FDCWD<...>, "/path", O_WRONLY|O_DIRECT|O_CLOEXEC) = 18</path>
+# preadv2(fd</path>, [{iov_base=..., iov_len=n}], 1, offset, flags) = n (Python's os.preadv; preadv without
+# the flags where it calls that): the direct re-read of a part
+READ = re.compile(r"^(?:preadv2\((\d+)<([^>]*)>, .*, (\d+), \d+|preadv\((\d+)<([^>]*)>, .*, (\d+))\) = (\d+)$")
+OPEN = re.compile(r"^openat\(.*, \"([^\"]*)\", ([A-Z_|]+)(?:, \d+)?\) = (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +45,10 @@ def strace():
 
 def save(ranks, strace=None, alignment=0, *hints, io=None):
     """One save on ``ranks`` ranks: the script's report, and ``[[(offset, length), ...] per traced process]``
-    of its writes into the checkpoint file. ``io``: Open MPI's MPI-IO component (default: its own choice)."""
+    of its writes into the checkpoint file. The report's ``direct`` lists the writes made through a descriptor
+    opened with O_DIRECT, ``direct_reads`` the reads so. ``io``: Open MPI's MPI-IO component (default: its own choice)."""
     work = Path(tempfile.mkdtemp(prefix=f"hpctrain-io-{ranks}-"))
-    traced = [strace, "-f", "-ff", "-y", "-e", "trace=pwrite64,pwritev,pwritev2,write,writev",
+    traced = [strace, "-f", "-ff", "-y", "-e", "trace=openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2",
               "-o", str(work / "trace")] if strace else []
     args = [*traced, PYTHON, SCRIPT] if strace else [SCRIPT]
     result = mpirun(ranks, [*args, work / "ckpt", alignment, *hints], timeout=240,
@@ -48,13 +56,25 @@ def save(ranks, strace=None, alignment=0, *hints, io=None):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("IO_PATTERN "))
     report = json.loads(line.split(" ", 1)[1])
-    writes = []
+    writes, report["direct"], report["direct_reads"] = [], [], []
     for trace in sorted(work.glob("trace.*")):
-        mine = []
+        mine, direct_fds = [], set()
         for text in trace.read_text(errors="replace").splitlines():
-            m = WRITE.match(text.split(" ", 1)[1] if text[:1].isdigit() else text)
-            if m and ".h5.tmp-" in m.group(2) and "/ckpt/" in m.group(2):
-                mine.append((int(m.group(3)), int(m.group(4))))
+            text = text.split(" ", 1)[1] if text[:1].isdigit() else text
+            opened = OPEN.match(text)
+            if opened:  # a descriptor number is reused: what it is now is what the last open made it
+                direct_fds.discard(opened.group(3))
+                if ".h5.tmp-" in opened.group(1) and "O_DIRECT" in opened.group(2).split("|"):
+                    direct_fds.add(opened.group(3))
+            m = WRITE.match(text)
+            if m and ".h5.tmp-" in m.group(3) and "/ckpt/" in m.group(3):
+                mine.append((int(m.group(4)), int(m.group(5))))
+                if m.group(2) in direct_fds:
+                    report["direct"].append(mine[-1])
+            r = READ.match(text)
+            fd, path, offset = (r.group(1, 2, 3) if r.group(1) else r.group(4, 5, 6)) if r else (None,) * 3
+            if r and fd in direct_fds and ".h5.tmp-" in path:
+                report["direct_reads"].append((int(offset), int(r.group(7))))
         if mine:
             writes.append(mine)
     assert not strace or writes, f"no write into the checkpoint file in the traces of {work}"
@@ -69,6 +89,15 @@ def data_extent(report, offset):
     """The dataset whose data holds file ``offset``, or None (then it is metadata)."""
     return next((name for name, d in report["datasets"].items()
                  if d["offset"] <= offset < d["offset"] + d["nbytes"]), None)
+
+
+def covered(reads, offset, length):
+    """Whether ``reads`` ``[(offset, length)]`` together hold every byte of ``[offset, offset + length)``."""
+    pos = offset
+    for o, n in sorted(reads):
+        if o <= pos < o + n:
+            pos = o + n
+    return pos >= offset + length
 
 
 COLLECTIVE = ("romio_cb_write=enable",)  # the hint that asks for collective writes, as on Lustre and GPFS
@@ -109,6 +138,13 @@ def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, i
         written = [w for w in written if w]
         # One process per rank wrote exactly its rank's parts, one write each: no aggregator wrote another's.
         assert sorted(written) == sorted(sorted(s) for s in owned.values()), (written, owned)
+        # ... straight to the disk: every write of a part through an O_DIRECT descriptor, nothing else so.
+        assert "parts written with O_DIRECT" in report["describe"]
+        assert sorted(report["direct"]) == sorted(data), (report["direct"], data)
+        # ... and read back so for the checksums, every byte of every part.
+        assert all(covered(report["direct_reads"], o, n) for o, n in data), (report["direct_reads"], data)
+    else:  # collective buffering: the MPI-IO layer's aggregators write, through the page cache
+        assert report["direct"] == report["direct_reads"] == [] and "O_DIRECT" not in report["describe"]
     # HDF5's metadata: written collectively, in a few vectored writes per writer, not one per object.
     metadata = [[(o, n) for o, n in mine if data_extent(report, o) is None] for mine in writes]
     assert max(len(m) for m in metadata) <= 6, metadata
@@ -129,6 +165,7 @@ def test_without_alignment_parts_straddle_boundaries_and_the_file_still_loads(st
     assert any(s % MiB for s in starts)  # what the aligned layout prevents
     big = [(o, n) for mine in writes for o, n in mine if n >= MiB]
     assert any(o % MiB for o, _ in big)
+    assert report["direct"] == report["direct_reads"] == []  # an unaligned part is not whole blocks: HDF5 writes it, buffered
     # The unaligned file of before loads with today's reader, on another rank count.
     out = mpirun(4, [SCRIPT, "--load", report["file"]], timeout=240)
     assert out.returncode == 0 and out.stdout.count("LOADED OK") == 4, out.stdout[-3000:] + out.stderr[-3000:]

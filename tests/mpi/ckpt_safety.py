@@ -1,5 +1,5 @@
 """Checkpoint safety scenarios under a real mpirun: roll back, non-finite state, metadata
-damage, failed `latest`, one-rank HDF5 errors.
+damage, failed `latest`, one-rank HDF5 errors, a part written with O_DIRECT that reaches the disk wrong.
 
     mpirun -n 2 python tests/mpi/ckpt_safety.py DIR SCENARIO [SCENARIO ...]
 
@@ -25,6 +25,7 @@ from hpctrain.runtime import fsutil
 from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
 from hpctrain.checkpoint import format as fmt
 from hpctrain.runtime.coordination import abort_on_exception
+from hpctrain.state import Progress, TrainState
 
 W = None  # the World (also cc.W, which the shared helpers read)
 OPTS = cc.OPTS
@@ -250,6 +251,47 @@ def fsync_fails_on_one_rank():
     mgr.close()
     assert read_latest(d) == "ckpt-00000003.h5"
     say("fsync_fails_on_one_rank", "OK")
+
+
+def direct_write_damaged():
+    """A part written with O_DIRECT that reaches the disk wrong (here rank 1 overwrites one byte of its first
+    direct write right after it): the verification re-reads the file's bytes, not the buffer that was written
+    (tests/test_io_pattern.py: through O_DIRECT too); every rank raises the same checksum error, no temp file
+    is left, `latest` stays."""
+    from hpctrain.checkpoint import directio
+
+    d = fresh_dir("direct_damaged")
+    torch.manual_seed(3)
+    model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight: split among the ranks, each part written direct
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), Progress(step=1, seed=3))
+    mgr = CheckpointManager(d, W, cc.config(keep_last=1), None)
+    mgr.save(state)
+    real, damaged = directio.DirectWriter.write, []
+
+    def damaging(self, offset, data):
+        real(self, offset, data)
+        data = memoryview(data).cast("B")
+        if W.rank == 1 and not damaged and len(data) > 1:
+            mid = len(data) // 2
+            os.pwrite(self._plain, bytes([data[mid] ^ 0xFF]), offset + mid)
+            damaged.append(offset + mid)
+
+    directio.DirectWriter.write = damaging
+    try:
+        state.progress.step = 2
+        expect_error("direct_write_damaged", lambda: mgr.save(state), "checksum mismatch in 1 dataset",
+                     "ckpt-00000002.h5.tmp-")
+    finally:
+        directio.DirectWriter.write = real
+    assert W.rank != 1 or damaged, "rank 1 wrote nothing with O_DIRECT: the scenario tested nothing"
+    W.comm.Barrier()
+    assert read_latest(d) == "ckpt-00000001.h5"
+    assert sorted(os.listdir(d)) == ["ckpt-00000001.h5", "latest"], os.listdir(d)
+    state.progress.step = 3
+    mgr.save(state)
+    mgr.close()
+    assert read_latest(d) == "ckpt-00000003.h5" and not verify_checkpoint(os.path.join(d, "ckpt-00000003.h5"))
+    say("direct_write_damaged", "OK")
 
 
 def one_rank_cannot_extend():
