@@ -5,9 +5,9 @@ too; the data of a part goes out in one write; HDF5's metadata in a few; the fil
 h5dump. On 2, 4, 8 and 16 ranks: hpctrain makes the same number of collective calls per save, and the bytes
 rank 0 receives grow no faster than docs/performance.md ("At scale") says. An unaligned save (alignment = 1,
 the layout of before) shows what the checks catch, and still loads. Without a hint asking for collective
-buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write, through a descriptor opened with
-O_DIRECT (the disk here is ext4), and the verification reads them back through such a descriptor; with it, or
-unaligned, nothing is written or read so."""
+buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write; with checkpoint.direct_io
+through a descriptor opened with O_DIRECT (the disk here is ext4), and the verification reads them back through
+such a descriptor. Without it, with the hint, or unaligned, nothing is written or read so."""
 import json
 import os
 import re
@@ -43,15 +43,16 @@ def strace():
     return shutil.which("strace")
 
 
-def save(ranks, strace=None, alignment=0, *hints, io=None):
+def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
     """One save on ``ranks`` ranks: the script's report, and ``[[(offset, length), ...] per traced process]``
     of its writes into the checkpoint file. The report's ``direct`` lists the writes made through a descriptor
-    opened with O_DIRECT, ``direct_reads`` the reads so. ``io``: Open MPI's MPI-IO component (default: its own choice)."""
+    opened with O_DIRECT, ``direct_reads`` the reads so. ``direct``: checkpoint.direct_io. ``io``: Open MPI's
+    MPI-IO component (default: its own choice)."""
     work = Path(tempfile.mkdtemp(prefix=f"hpctrain-io-{ranks}-"))
     traced = [strace, "-f", "-ff", "-y", "-e", "trace=openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2",
               "-o", str(work / "trace")] if strace else []
     args = [*traced, PYTHON, SCRIPT] if strace else [SCRIPT]
-    result = mpirun(ranks, [*args, work / "ckpt", alignment, *hints], timeout=240,
+    result = mpirun(ranks, [*args, work / "ckpt", alignment, *hints, *(["--direct"] if direct else [])], timeout=240,
                     env={"OMPI_MCA_io": io} if io else None)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("IO_PATTERN "))
@@ -107,11 +108,12 @@ COLLECTIVE = ("romio_cb_write=enable",)  # the hint that asks for collective wri
 # OMPIO (its default) cuts a collective write among its aggregators at points of its own on a file system that
 # reports no stripe (on 16 ranks here: 4120576 into a 6 MB dataset), whatever the regions; ROMIO's aggregators
 # follow the aligned regions. So the 16-rank collective case runs on ROMIO (docs/performance.md, "At scale").
-@pytest.mark.parametrize("ranks, hints, io", [(2, (), None), (16, (), None), (4, COLLECTIVE, None),
-                                              (16, COLLECTIVE, "romio321")],
-                         ids=["2", "16", "4-collective", "16-collective-romio"])
-def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, io):
-    report, writes = save(ranks, strace, 0, *hints, io=io)
+# checkpoint.direct_io is asked for in all but the first: it applies where each rank writes its parts alone.
+@pytest.mark.parametrize("ranks, hints, io, direct", [(2, (), None, False), (2, (), None, True), (16, (), None, True),
+                                                      (4, COLLECTIVE, None, True), (16, COLLECTIVE, "romio321", True)],
+                         ids=["2", "2-direct", "16-direct", "4-collective", "16-collective-romio"])
+def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, io, direct):
+    report, writes = save(ranks, strace, 0, *hints, io=io, direct=direct)
     align = report["alignment"]
     assert align == MiB and "aligned on 1 MiB" in report["describe"]  # this machine's disk reports no stripe
     # The layout read back: every rank's part of a large dataset starts on the boundary.
@@ -138,13 +140,16 @@ def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, i
         written = [w for w in written if w]
         # One process per rank wrote exactly its rank's parts, one write each: no aggregator wrote another's.
         assert sorted(written) == sorted(sorted(s) for s in owned.values()), (written, owned)
-        # ... straight to the disk: every write of a part through an O_DIRECT descriptor, nothing else so.
+    if not hints and not direct:  # the default: HDF5 writes every byte, through the page cache
+        assert report["direct"] == report["direct_reads"] == [] and "O_DIRECT" not in report["describe"]
+    elif not hints:  # checkpoint.direct_io: straight to the disk, every write of a part through O_DIRECT
         assert "parts written with O_DIRECT" in report["describe"]
         assert sorted(report["direct"]) == sorted(data), (report["direct"], data)
         # ... and read back so for the checksums, every byte of every part.
         assert all(covered(report["direct_reads"], o, n) for o, n in data), (report["direct_reads"], data)
     else:  # collective buffering: the MPI-IO layer's aggregators write, through the page cache
-        assert report["direct"] == report["direct_reads"] == [] and "O_DIRECT" not in report["describe"]
+        assert report["direct"] == report["direct_reads"] == []
+        assert "checkpoint.direct_io not used" in report["describe"]
     # HDF5's metadata: written collectively, in a few vectored writes per writer, not one per object.
     metadata = [[(o, n) for o, n in mine if data_extent(report, o) is None] for mine in writes]
     assert max(len(m) for m in metadata) <= 6, metadata
@@ -159,13 +164,14 @@ def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, i
 
 
 def test_without_alignment_parts_straddle_boundaries_and_the_file_still_loads(strace):
-    report, writes = save(2, strace, 1)
+    report, writes = save(2, strace, 1, direct=True)
     assert report["alignment"] == 1 and "no alignment" in report["describe"]
     starts = [s for d in split_datasets(report).values() for s in d["starts"]]
     assert any(s % MiB for s in starts)  # what the aligned layout prevents
     big = [(o, n) for mine in writes for o, n in mine if n >= MiB]
     assert any(o % MiB for o, _ in big)
-    assert report["direct"] == report["direct_reads"] == []  # an unaligned part is not whole blocks: HDF5 writes it, buffered
+    # checkpoint.direct_io asked for: an unaligned part is not whole blocks, so HDF5 writes it, buffered
+    assert report["direct"] == report["direct_reads"] == [] and "direct_io not used" in report["describe"]
     # The unaligned file of before loads with today's reader, on another rank count.
     out = mpirun(4, [SCRIPT, "--load", report["file"]], timeout=240)
     assert out.returncode == 0 and out.stdout.count("LOADED OK") == 4, out.stdout[-3000:] + out.stderr[-3000:]

@@ -73,18 +73,20 @@ def test_only_a_hint_that_asks_for_them_or_forbids_independent_io_makes_aligned_
 
 
 def test_only_parts_written_alone_aligned_on_blocks_of_a_local_file_system_go_out_with_o_direct():
-    assert io_settings_for("/x", detected=("ext4", "/"), stripe=None).direct_writes()
-    assert io_settings_for("/x", detected=("xfs", "/scratch"), stripe=None).direct_writes()
-    assert "parts written with O_DIRECT" in io_settings_for("/x", detected=("xfs", "/s"), stripe=None).describe()
+    def io(fstype="ext4", **kw):
+        return io_settings_for("/x", direct=kw.pop("direct", True), detected=(fstype, "/"), stripe=None, **kw)
+
+    assert not io(direct=False).direct_writes() and "O_DIRECT" not in io(direct=False).describe()  # the default
+    assert io().direct_writes() and io("xfs").direct_writes()
+    assert "parts written with O_DIRECT (checkpoint.direct_io)" in io("xfs").describe()
     for fstype in ("tmpfs", "nfs", "lustre", "gpfs", ""):  # no lock to dodge, or O_DIRECT less sure
-        io = io_settings_for("/x", io_hints={"romio_cb_write": "disable"}, detected=(fstype, "/"), stripe=None)
-        assert not io.collective_writes() and not io.direct_writes(), fstype
-        assert "O_DIRECT" not in io.describe()
-    collective = io_settings_for("/x", io_hints={"romio_cb_write": "enable"}, detected=("ext4", "/"), stripe=None)
-    assert not collective.direct_writes()  # the aggregators write
-    assert not io_settings_for("/x", alignment=1, detected=("ext4", "/"), stripe=None).direct_writes()
-    assert not io_settings_for("/x", alignment=6 << 10, detected=("ext4", "/"), stripe=None).direct_writes()
-    assert io_settings_for("/x", alignment=8 << 10, detected=("ext4", "/"), stripe=None).direct_writes()
+        settings = io(fstype, io_hints={"romio_cb_write": "disable"})
+        assert not settings.collective_writes() and not settings.direct_writes(), fstype
+        assert "checkpoint.direct_io not used: O_DIRECT is for ext4 and XFS" in settings.describe()
+    assert not io(io_hints={"romio_cb_write": "enable"}).direct_writes()  # the aggregators write
+    assert not io(alignment=1).direct_writes()
+    assert not io(alignment=6 << 10).direct_writes()
+    assert io(alignment=8 << 10).direct_writes()
 
 
 def test_an_unknown_file_system_is_said():

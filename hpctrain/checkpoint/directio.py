@@ -1,11 +1,13 @@
-"""Writing a rank's aligned parts of a shared checkpoint file straight to the disk (``O_DIRECT``), where each
-rank writes its own parts alone (:meth:`~.iosettings.IOSettings.direct_writes`), and reading them back the
-same way for the checksums that verify the file.
+"""Writing a rank's aligned parts of a shared checkpoint file straight to the disk (``O_DIRECT``), where
+``checkpoint.direct_io`` asks for it and each rank writes its own parts alone
+(:meth:`~.iosettings.IOSettings.direct_writes`), and reading them back the same way for the checksums that
+verify the file.
 
 On a local file system (ext4, XFS) buffered writes into one file take its inode lock in turn: two ranks writing
 their parts of the same file wait for each other while each copies its part into the page cache. Direct
 writes of whole blocks from an aligned buffer skip the page cache and the lock's long hold, and the ranks'
-writes reach the disk side by side (docs/performance.md, "Direct writes"). The file is still opened and laid
+writes reach the disk side by side; but the re-read then comes from the disk, not from memory, which is why it
+is an option (docs/performance.md, "Direct writes"). The file is still opened and laid
 out by parallel HDF5; this module only writes and re-reads the bytes of datasets whose place in the file HDF5
 has given. The re-read goes direct too: through the page cache it would cost the page allocations the direct
 writes saved."""

@@ -38,6 +38,7 @@ class IOSettings:
     filesystem: str = ""  # as /proc/self/mountinfo names it, e.g. "lustre"; "" unknown
     mount: str = ""
     alignment_from: str = ""  # where the alignment came from, said in the run's first lines
+    direct: bool = False  # checkpoint.direct_io: O_DIRECT where direct_writes() allows it
 
     def h5py_kwargs(self):
         """``h5py.File`` arguments for the layout (none for an unaligned file)."""
@@ -58,10 +59,12 @@ class IOSettings:
 
     def direct_writes(self):
         """Whether each rank writes its aligned parts of split datasets with ``O_DIRECT`` (:mod:`.directio`):
-        where it writes them alone, the layout is aligned on whole blocks, and the file system is one of
-        ``DIRECT``. Elsewhere (Lustre, GPFS, NFS, tmpfs, unknown) through HDF5 as before."""
-        return (not self.collective_writes() and self.alignment % BLOCK == 0
-                and self.filesystem in DIRECT)
+        where ``direct`` asks for it, each rank writes them alone, the layout is aligned on whole blocks, and
+        the file system is one of ``DIRECT``. Elsewhere (Lustre, GPFS, NFS, tmpfs, unknown) through HDF5."""
+        return self.direct and self._direct_possible()
+
+    def _direct_possible(self):
+        return not self.collective_writes() and self.alignment % BLOCK == 0 and self.filesystem in DIRECT
 
     def mpi_info(self):
         """The hints as an ``MPI.Info`` (None without hints); the caller frees it."""
@@ -79,7 +82,9 @@ class IOSettings:
         align = (f"large datasets and each rank's part aligned on {_size(self.alignment)} ({self.alignment_from})"
                  if self.alignment > 1 else "no alignment (checkpoint.alignment = 1)")
         hints = ", ".join(f"{k}={v}" for k, v in sorted(self.hints.items())) or "none"
-        direct = "; parts written with O_DIRECT" if self.direct_writes() else ""
+        direct = ("" if not self.direct else "; parts written with O_DIRECT (checkpoint.direct_io)"
+                  if self._direct_possible() else "; checkpoint.direct_io not used: O_DIRECT is for ext4 and "
+                  "XFS, without collective buffering, aligned on a multiple of 4 KiB")
         return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}{direct}"
 
 
@@ -161,13 +166,14 @@ def stripe_size(directory, fstype):
 
 # ---------------------------------------------------------------- the choice
 
-def io_settings_for(directory, alignment=0, io_hints=None, detected=None, stripe=None):
+def io_settings_for(directory, alignment=0, io_hints=None, direct=False, detected=None, stripe=None):
     """The :class:`IOSettings` of checkpoints in ``directory`` (rank 0; the caller hands them to every rank).
 
     ``alignment``: bytes; 0 chooses it: the stripe (or block) size where the file system reports one, else
     1 MiB; 1: none. ``io_hints``: the user's MPI-IO hints, over the defaults for the file system (collective
     buffering on, data sieving off on the shared-file systems of ``PARALLEL``; Lustre's stripe size as
-    ``striping_unit``). ``detected``, ``stripe``: the file system and its unit, when known (tests)."""
+    ``striping_unit``). ``direct``: checkpoint.direct_io. ``detected``, ``stripe``: the file system and its
+    unit, when known (tests)."""
     fstype, mount = detect(directory) if detected is None else detected
     unit = stripe_size(directory, fstype) if stripe is None else stripe
     if alignment:
@@ -180,7 +186,7 @@ def io_settings_for(directory, alignment=0, io_hints=None, detected=None, stripe
     if fstype == "lustre" and unit:
         hints["striping_unit"] = str(unit)
     hints.update({str(k): hint_value(v) for k, v in (io_hints or {}).items()})
-    return IOSettings(chosen, hints, fstype, mount, why)
+    return IOSettings(chosen, hints, fstype, mount, why, bool(direct))
 
 
 def hint_value(value):

@@ -43,7 +43,8 @@ class CheckpointManager:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)
         # The files' layout and MPI-IO hints, from the directory's file system as rank 0 sees it.
         self.io = on_root(lambda: iosettings.io_settings_for(self.directory, getattr(cfg, "alignment", 0),
-                                                    getattr(cfg, "io_hints", None)), self.comm)
+                                                             getattr(cfg, "io_hints", None),
+                                                             getattr(cfg, "direct_io", False)), self.comm)
         self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
         self._last_step = None

@@ -74,9 +74,12 @@ class CheckpointConfig:
     # The file's layout and MPI-IO (docs/checkpoint-format.md, "Aligned layout"): large datasets and each rank's
     # part of them start on a multiple of `alignment` bytes (0: the file system's stripe or block size where it
     # reports one, else 1 MiB; 1: none); `io_hints`, e.g. {striping_factor = 16, cb_nodes = 8}, go to MPI-IO
-    # over the defaults chosen for the file system.
+    # over the defaults chosen for the file system. `direct_io`: on ext4 and XFS each rank writes and re-reads its
+    # parts with O_DIRECT, past the page cache (docs/performance.md, "Direct writes": faster in a fresh process,
+    # slower in one that has its memory at hand).
     alignment: int = 0
     io_hints: dict = field(default_factory=dict)
+    direct_io: bool = False
 
 
 

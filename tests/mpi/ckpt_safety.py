@@ -264,7 +264,7 @@ def direct_write_damaged():
     torch.manual_seed(3)
     model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight: split among the ranks, each part written direct
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), Progress(step=1, seed=3))
-    mgr = CheckpointManager(d, W, cc.config(keep_last=1), None)
+    mgr = CheckpointManager(d, W, cc.config(keep_last=1, direct_io=True), None)
     mgr.save(state)
     real, damaged = directio.DirectWriter.write, []
 

@@ -3,7 +3,7 @@ where each rank's part of each dataset starts in the file (the layout read back)
 collective calls the save made and how many bytes rank 0 received in them. Rank 0 prints one JSON line
 ``IO_PATTERN {...}``; run under strace, the writes themselves are in the trace.
 
-    mpirun -n 4 python tests/mpi/io_pattern.py OUT_DIR ALIGNMENT [HINT=VALUE ...]
+    mpirun -n 4 python tests/mpi/io_pattern.py OUT_DIR ALIGNMENT [HINT=VALUE ...] [--direct]   # direct_io
     mpirun -n 4 python tests/mpi/io_pattern.py --load FILE     # read it back: LOADED OK on every rank
 """
 import json
@@ -87,10 +87,10 @@ def load(path):
     print(f"RANK {world.rank} LOADED OK", flush=True)
 
 
-def main(out, alignment, hints):
+def main(out, alignment, hints, direct):
     world = init_world(comm=Counted(MPI.COMM_WORLD.Dup()))
     state = make_state(seed=0)
-    cfg = CheckpointConfig(on_epoch_end=False, alignment=alignment, io_hints=hints)
+    cfg = CheckpointConfig(on_epoch_end=False, alignment=alignment, io_hints=hints, direct_io=direct)
     mgr = CheckpointManager(out, world, cfg)
     Counted.calls = Counted.received = 0
     state.progress.step = 1
@@ -124,4 +124,5 @@ if __name__ == "__main__":
         if sys.argv[1] == "--load":
             load(sys.argv[2])
         else:
-            main(sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:]))
+            main(sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:] if a != "--direct"),
+                 "--direct" in sys.argv[3:])
