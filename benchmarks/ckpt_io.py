@@ -14,7 +14,8 @@ after the other on the same state:
   fsync, rename) and ``load_checkpoint``; ``hpctrain_noverify`` skips the re-read;
   ``hpctrain_unaligned``: the layout of before the aligned one (``checkpoint.alignment = 1``);
   ``hpctrain_collective``: the aligned layout written in collective calls, as where the hints ask for
-  collective buffering (``romio_cb_write=enable``, the default on Lustre and GPFS);
+  collective buffering (``romio_cb_write=enable``, the default on Lustre and GPFS); ``hpctrain_direct``: with
+  ``checkpoint.direct_io`` (each rank's parts written and re-read with O_DIRECT);
 * ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank;
 * ``raw_shared`` and ``raw_per_rank`` (save only, not in the default list): every rank writes its share of
   the tensors with plain writes and fsyncs, into one shared file or into a file of its own (as DCP does):
@@ -348,7 +349,7 @@ def main():
     parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
     parser.add_argument("--methods", nargs="*",
                         default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "hpctrain_unaligned",
-                                 "hpctrain_collective", "dcp"])
+                                 "hpctrain_collective", "hpctrain_direct", "dcp"])
     parser.add_argument("--stall", action="store_true", help="also measure the training stall")
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
@@ -396,6 +397,8 @@ def main():
         if world.rank == 0:
             collective_io = dataclasses.replace(io_settings_for(directory), hints={"romio_cb_write": "enable"})
         collective_io = comm.bcast(collective_io, root=0)
+    direct_io = comm.bcast(dataclasses.replace(io_settings_for(directory), direct=True) if world.rank == 0 else None,
+                           root=0) if "hpctrain_direct" in args.methods else None
 
     dcp_error = None
     if "dcp" in args.methods:
@@ -426,6 +429,8 @@ def main():
         "hpctrain_collective": (
             lambda: save_checkpoint(path("hpctrain_collective"), state, comm, io=collective_io),
             lambda: load_checkpoint(path("hpctrain_collective"), state, comm), True),
+        "hpctrain_direct": (lambda: save_checkpoint(path("hpctrain_direct"), state, comm, io=direct_io),
+                            lambda: load_checkpoint(path("hpctrain_direct"), state, comm), True),
         "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
         "raw_shared": (lambda: raw_shared_save(path("raw_shared"), tensors, comm), None, True),
         "raw_per_rank": (lambda: raw_per_rank_save(path("raw_per_rank"), tensors, comm), None, True),
