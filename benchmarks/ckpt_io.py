@@ -386,19 +386,19 @@ def main():
 
     from hpctrain.checkpoint import load_checkpoint, save_checkpoint
     from hpctrain.checkpoint.iosettings import IOSettings, io_settings_for
+    from hpctrain.runtime.coordination import on_root
 
     # What a training process has imported before its first save (the checkpoint manager imports h5py when it
     # is made; a DCP user imports DCP at the top), so that no method's first repetition times an import.
     import h5py  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
-    collective_io = None
-    if "hpctrain_collective" in args.methods:  # rank 0 chooses them for every rank, as a save does
-        if world.rank == 0:
-            collective_io = dataclasses.replace(io_settings_for(directory), hints={"romio_cb_write": "enable"})
-        collective_io = comm.bcast(collective_io, root=0)
-    direct_io = comm.bcast(dataclasses.replace(io_settings_for(directory), direct=True) if world.rank == 0 else None,
-                           root=0) if "hpctrain_direct" in args.methods else None
+
+    def io_with(**changes):  # rank 0 chooses the settings for every rank, as a save does
+        return on_root(lambda: dataclasses.replace(io_settings_for(directory), **changes), comm)
+
+    collective_io = io_with(hints={"romio_cb_write": "enable"}) if "hpctrain_collective" in args.methods else None
+    direct_io = io_with(direct=True) if "hpctrain_direct" in args.methods else None
 
     dcp_error = None
     if "dcp" in args.methods:

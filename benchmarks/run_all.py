@@ -128,8 +128,8 @@ def ckpt_settings_plan(quick, j):
     resume after some work), the two interleaved."""
     size = ["--state-mib", "128" if quick else "1100", "--prefault-mib", "0"]
     launches = []
+    order = ("hpctrain", "hpctrain_direct", "dcp")
     for r in range(1 if quick else FRESH_ROUNDS):
-        order = ("hpctrain", "hpctrain_direct", "dcp")
         for method in (order if r % 2 == 0 else order[::-1]):
             name = f"ckpt_io-fresh-{method}-r{r}"
             launches.append((name, 2, ["ckpt_io.py", "--methods", method, "--reps", "1"] + size + j(name),

@@ -44,12 +44,13 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
     ``background``: small, independent write calls, so that training runs between them."""
     tmp = info["tmp"]
     call_bytes = writer.CALL_BYTES if background else writer.FOREGROUND_CALL_BYTES
+    io = io_of(info)
     try:
         # The disk starts writing the file back while it is written, not only at the fsync.
         stop_writeback = fsutil.early_writeback(tmp) if parallel or comm.Get_rank() == 0 else lambda: None
         try:
             checksums = writer.write_file(tmp, plan, comm, parallel, call_bytes, collective=not background,
-                                          io=io_of(info))
+                                          io=io)
         finally:
             stop_writeback()
         # Every rank fsyncs while the ranks re-read and checksum: the disk writes back while the CPUs verify.
@@ -57,7 +58,7 @@ def write_verified(plan, info, comm, parallel, verify, background=False):
         try:
             if verify:
                 expected = {d.path: c for d, c in zip(plan.datasets, checksums)}
-                reader.verify_written(tmp, expected, comm, parallel, direct=io_of(info).direct_writes())
+                reader.verify_written(tmp, expected, comm, parallel, direct=io.direct_writes())
         finally:
             problems = synced()
         agree(problems, comm, tmp, "syncing")

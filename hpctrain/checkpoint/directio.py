@@ -56,25 +56,23 @@ class DirectWriter(_DirectFile):
         data = memoryview(data).cast("B")
         end = offset + len(data)
         first, last = -(-offset // BLOCK) * BLOCK, end // BLOCK * BLOCK
-        if last <= first:  # no whole block inside
+        if last <= first or self._direct is None:  # no whole block inside, or direct writes refused before
             self._plain_write(offset, data)
             return
         self._plain_write(offset, data[:first - offset])
         pos = first
         while pos < last:
             n = min(len(self._buffer), last - pos)
-            self._view[:n] = data[pos - offset:pos - offset + n]
-            if not self._direct_write(pos, n, data[pos - offset:pos - offset + n]):
+            chunk = data[pos - offset:pos - offset + n]
+            self._view[:n] = chunk
+            if not self._direct_write(pos, n, chunk):
                 self._plain_write(pos, data[pos - offset:last - offset])
-                pos = last
                 break
             pos += n
         self._plain_write(last, data[last - offset:])
 
     def _direct_write(self, offset, n, same_bytes):
-        """The buffer's first ``n`` bytes at ``offset``; False once the descriptor refuses direct I/O here."""
-        if self._direct is None:
-            return False
+        """The buffer's first ``n`` bytes at ``offset``; False if the descriptor refuses direct I/O here."""
         try:
             done = os.pwrite(self._direct, self._view[:n], offset)
         except OSError as exc:
