@@ -11,26 +11,7 @@ import pytest
 
 from hpctrain.checkpoint import directio
 from hpctrain.checkpoint.directio import BLOCK, open_direct
-
-MiB = 1 << 20
-
-
-@pytest.fixture
-def target(tmp_path):
-    path = tmp_path / "file"
-    path.write_bytes(b"\xff" * (40 * MiB))
-    return path
-
-
-def writes(writer, path, spans, seed=0):
-    """Write random bytes at ``spans`` ``[(offset, length)]``; the file's bytes as they must now be."""
-    rng = np.random.default_rng(seed)
-    expected = bytearray(path.read_bytes())
-    for offset, length in spans:
-        data = rng.integers(0, 256, length, dtype=np.uint8)
-        writer.write(offset, data)
-        expected[offset:offset + length] = data.tobytes()
-    return bytes(expected)
+from part_writes import MiB, target, writes  # noqa: F401 (target: a fixture)
 
 
 def refuse_direct(monkeypatch, call, direct_fd):

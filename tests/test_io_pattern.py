@@ -5,9 +5,10 @@ too; the data of a part goes out in one write; HDF5's metadata in a few; the fil
 h5dump. On 2, 4, 8 and 16 ranks: hpctrain makes the same number of collective calls per save, and the bytes
 rank 0 receives grow no faster than docs/performance.md ("At scale") says. An unaligned save (alignment = 1,
 the layout of before) shows what the checks catch, and still loads. Without a hint asking for collective
-buffering (on 2 and 16 ranks), every rank writes its own parts, each in one write; with checkpoint.direct_io
-through a descriptor opened with O_DIRECT (the disk here is ext4), and the verification reads them back through
-such a descriptor. Without it, with the hint, or unaligned, nothing is written or read so."""
+buffering (on 2 and 16 ranks), every rank writes its own parts: by default (the disk here is ext4) each allocated
+in one call and copied into windows of a shared mapping of the file, never with a plain write; with
+checkpoint.direct_io each in one write through a descriptor opened with O_DIRECT, and the verification reads
+them back through such a descriptor. With the hint, or unaligned, nothing is mapped, or written or read so."""
 import json
 import os
 import re
@@ -33,6 +34,10 @@ WRITE = re.compile(r"^(pwrite64|pwritev)\((\d+)<([^>]*)>, .*, (\d+)\) = (\d+)$")
 # the flags where it calls that): the direct re-read of a part
 READ = re.compile(r"^(?:preadv2\((\d+)<([^>]*)>, .*, (\d+), \d+|preadv\((\d+)<([^>]*)>, .*, (\d+))\) = (\d+)$")
 OPEN = re.compile(r"^openat\(.*, \"([^\"]*)\", ([A-Z_|]+)(?:, \d+)?\) = (\d+)")
+# fallocate(fd</path>, 0, offset, length) = 0 (posix_fallocate): a part's space, allocated before it is mapped
+ALLOC = re.compile(r"^fallocate\((\d+)<([^>]*)>, 0, (\d+), (\d+)\) = 0$")
+# mmap(NULL, length, PROT_READ|PROT_WRITE, MAP_SHARED, fd</path>, offset) = 0x...: a window of a mapped write
+MAP = re.compile(r"^mmap\(NULL, (\d+), PROT_READ\|PROT_WRITE, MAP_SHARED, (\d+)<([^>]*)>, (0x[0-9a-f]+|\d+)\) = 0x")
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +50,13 @@ def strace():
 
 def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
     """One save on ``ranks`` ranks: the script's report, and ``[[(offset, length), ...] per traced process]``
-    of its writes into the checkpoint file. The report's ``direct`` lists the writes made through a descriptor
-    opened with O_DIRECT, ``direct_reads`` the reads so. ``direct``: checkpoint.direct_io. ``io``: Open MPI's
+    of its writes into the checkpoint file, a mapped write counted as the range it allocated first. The
+    report's ``direct`` lists the writes made through a descriptor opened with O_DIRECT, ``direct_reads`` the
+    reads so; ``allocated`` the ranges allocated for mapped writes, ``mapped`` ``[(allocated, windows)]`` per
+    process that mapped, ``pwrites`` the plain writes. ``direct``: checkpoint.direct_io. ``io``: Open MPI's
     MPI-IO component (default: its own choice)."""
     work = Path(tempfile.mkdtemp(prefix=f"hpctrain-io-{ranks}-"))
-    traced = [strace, "-f", "-ff", "-y", "-e", "trace=openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2",
+    traced = [strace, "-f", "-ff", "-y", "-e", "trace=openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2,fallocate,mmap",
               "-o", str(work / "trace")] if strace else []
     args = [*traced, PYTHON, SCRIPT] if strace else [SCRIPT]
     result = mpirun(ranks, [*args, work / "ckpt", alignment, *hints, *(["--direct"] if direct else [])], timeout=240,
@@ -58,8 +65,9 @@ def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
     line = next(x for x in result.stdout.splitlines() if x.startswith("IO_PATTERN "))
     report = json.loads(line.split(" ", 1)[1])
     writes, report["direct"], report["direct_reads"] = [], [], []
+    report["allocated"], report["mapped"], report["pwrites"] = [], [], []
     for trace in sorted(work.glob("trace.*")):
-        mine, direct_fds = [], set()
+        mine, direct_fds, allocated, windows = [], set(), [], []
         for text in trace.read_text(errors="replace").splitlines():
             text = text.split(" ", 1)[1] if text[:1].isdigit() else text
             opened = OPEN.match(text)
@@ -70,14 +78,27 @@ def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
             m = WRITE.match(text)
             if m and ".h5.tmp-" in m.group(3) and "/ckpt/" in m.group(3):
                 mine.append((int(m.group(4)), int(m.group(5))))
+                report["pwrites"].append(mine[-1])
                 if m.group(2) in direct_fds:
                     report["direct"].append(mine[-1])
+            a = ALLOC.match(text)
+            if a and ".h5.tmp-" in a.group(2) and "/ckpt/" in a.group(2):
+                allocated.append((int(a.group(3)), int(a.group(4))))
+                mine.append(allocated[-1])
+            w = MAP.match(text)
+            if w and ".h5.tmp-" in w.group(3):
+                windows.append((w.group(3), int(w.group(4), 0), int(w.group(1))))
             r = READ.match(text)
             fd, path, offset = (r.group(1, 2, 3) if r.group(1) else r.group(4, 5, 6)) if r else (None,) * 3
             if r and fd in direct_fds and ".h5.tmp-" in path:
                 report["direct_reads"].append((int(offset), int(r.group(7))))
         if mine:
             writes.append(mine)
+        # the file itself, not the companions Open MPI maps elsewhere (a shared file pointer's, a semaphore)
+        windows = [(o, n) for path, o, n in windows if "/ckpt/" in path and re.search(r"\.h5\.tmp-[^/.]*$", path)]
+        if allocated or windows:
+            report["allocated"] += allocated
+            report["mapped"].append((allocated, windows))
     assert not strace or writes, f"no write into the checkpoint file in the traces of {work}"
     return report, writes
 
@@ -140,15 +161,24 @@ def test_a_save_writes_aligned_parts_in_few_large_writes(strace, ranks, hints, i
         written = [w for w in written if w]
         # One process per rank wrote exactly its rank's parts, one write each: no aggregator wrote another's.
         assert sorted(written) == sorted(sorted(s) for s in owned.values()), (written, owned)
-    if not hints and not direct:  # the default: HDF5 writes every byte, through the page cache
+    if not hints and not direct:  # the default here: each rank's parts copied into a shared mapping of the file
         assert report["direct"] == report["direct_reads"] == [] and "O_DIRECT" not in report["describe"]
+        assert "parts copied into a shared mapping of the file" in report["describe"]
+        # Every part allocated first (a full disk is then an error, not a SIGBUS), in one call, and none written
+        # with a plain write ...
+        assert sorted(report["allocated"]) == sorted(data), (report["allocated"], data)
+        assert not [(o, n) for o, n in report["pwrites"] if data_extent(report, o) in large]
+        # ... then copied through windows of its own process's shared mappings that cover every byte of it.
+        for allocated, windows in report["mapped"]:
+            assert all(covered(windows, o, n) for o, n in allocated), (allocated, windows)
     elif not hints:  # checkpoint.direct_io: straight to the disk, every write of a part through O_DIRECT
         assert "parts written with O_DIRECT" in report["describe"]
         assert sorted(report["direct"]) == sorted(data), (report["direct"], data)
+        assert report["mapped"] == [] and "mapping" not in report["describe"]
         # ... and read back so for the checksums, every byte of every part.
         assert all(covered(report["direct_reads"], o, n) for o, n in data), (report["direct_reads"], data)
     else:  # collective buffering: the MPI-IO layer's aggregators write, through the page cache
-        assert report["direct"] == report["direct_reads"] == []
+        assert report["direct"] == report["direct_reads"] == [] and report["mapped"] == []
         assert "checkpoint.direct_io not used" in report["describe"]
     # HDF5's metadata: written collectively, in a few vectored writes per writer, not one per object.
     metadata = [[(o, n) for o, n in mine if data_extent(report, o) is None] for mine in writes]
@@ -172,6 +202,7 @@ def test_without_alignment_parts_straddle_boundaries_and_the_file_still_loads(st
     assert any(o % MiB for o, _ in big)
     # checkpoint.direct_io asked for: an unaligned part is not whole blocks, so HDF5 writes it, buffered
     assert report["direct"] == report["direct_reads"] == [] and "direct_io not used" in report["describe"]
+    assert report["mapped"] == []  # nor mapped: the packed layout is written in collective calls
     # The unaligned file of before loads with today's reader, on another rank count.
     out = mpirun(4, [SCRIPT, "--load", report["file"]], timeout=240)
     assert out.returncode == 0 and out.stdout.count("LOADED OK") == 4, out.stdout[-3000:] + out.stderr[-3000:]

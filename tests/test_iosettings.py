@@ -1,5 +1,6 @@
 """The checkpoint file's layout and MPI-IO hints as chosen for a file system (pure logic: mountinfo text, stripe
 sizes and row cuts given as arguments). tests/test_io_pattern.py checks the files and writes themselves."""
+import dataclasses
 import math
 
 import pytest
@@ -87,6 +88,21 @@ def test_only_parts_written_alone_aligned_on_blocks_of_a_local_file_system_go_ou
     assert not io(alignment=1).direct_writes()
     assert not io(alignment=6 << 10).direct_writes()
     assert io(alignment=8 << 10).direct_writes()
+
+
+def test_parts_written_alone_on_a_local_file_system_are_mapped_unless_they_go_direct():
+    def io(fstype="ext4", **kw):
+        return io_settings_for("/x", detected=(fstype, "/"), stripe=None, **kw)
+
+    assert io().mapped_writes() and io("xfs").mapped_writes()  # the default there
+    assert "parts copied into a shared mapping of the file" in io().describe()
+    assert not io(direct=True).mapped_writes() and io(direct=True).direct_writes()  # one way around the lock
+    assert io(direct=True, alignment=6 << 10).mapped_writes()  # O_DIRECT cannot take it: mapped still
+    for fstype in ("tmpfs", "nfs", "lustre", "gpfs", ""):  # no lock to dodge, or other nodes' clients
+        assert not io(fstype).mapped_writes() and "mapping" not in io(fstype).describe(), fstype
+    assert not io(io_hints={"romio_cb_write": "enable"}).mapped_writes()  # the aggregators write
+    assert not io(alignment=1).mapped_writes()  # packed: collective calls
+    assert not dataclasses.replace(io(), mapped=False).mapped_writes()  # the bench's buffered row
 
 
 def test_an_unknown_file_system_is_said():

@@ -25,8 +25,9 @@ META_BLOCK = 1 << 20
 # whole stripes) and no data sieving (a read-modify-write of the gaps) pay there.
 PARALLEL = ("lustre", "gpfs", "beegfs", "wekafs", "pvfs2", "orangefs")
 COLLECTIVE_HINTS = {"romio_cb_write": "enable", "romio_ds_write": "disable"}
-# Local file systems where ranks' buffered writes into one file wait on its inode lock, and O_DIRECT is solid.
-DIRECT = ("ext4", "xfs")
+# Local file systems where ranks' buffered writes into one file wait on its inode lock, and where both ways
+# around it are solid: O_DIRECT, and shared mappings of space allocated ahead (fallocate).
+LOCAL = ("ext4", "xfs")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class IOSettings:
     mount: str = ""
     alignment_from: str = ""  # where the alignment came from, said in the run's first lines
     direct: bool = False  # checkpoint.direct_io: O_DIRECT where direct_writes() allows it
+    mapped: bool = True  # shared mappings where mapped_writes() allows them (False: HDF5's buffered writes)
 
     def h5py_kwargs(self):
         """``h5py.File`` arguments for the layout (none for an unaligned file)."""
@@ -60,11 +62,20 @@ class IOSettings:
     def direct_writes(self):
         """Whether each rank writes its aligned parts of split datasets with ``O_DIRECT`` (:mod:`.directio`):
         where ``direct`` asks for it, each rank writes them alone, the layout is aligned on whole blocks, and
-        the file system is one of ``DIRECT``. Elsewhere (Lustre, GPFS, NFS, tmpfs, unknown) through HDF5."""
+        the file system is one of ``LOCAL``. Elsewhere (Lustre, GPFS, NFS, tmpfs, unknown) through HDF5."""
         return self.direct and self._direct_possible()
 
     def _direct_possible(self):
-        return not self.collective_writes() and self.alignment % BLOCK == 0 and self.filesystem in DIRECT
+        return self._alone_on_local() and self.alignment % BLOCK == 0
+
+    def mapped_writes(self):
+        """Whether each rank copies its parts of split datasets into a shared mapping of the file
+        (:mod:`.mapped`): where each rank writes them alone on a file system of ``LOCAL`` and no direct writes
+        are made. There the ranks' buffered writes would take turns on the file's lock."""
+        return self.mapped and self._alone_on_local() and not self.direct_writes()
+
+    def _alone_on_local(self):
+        return not self.collective_writes() and self.filesystem in LOCAL
 
     def mpi_info(self):
         """The hints as an ``MPI.Info`` (None without hints); the caller frees it."""
@@ -85,7 +96,8 @@ class IOSettings:
         direct = ("" if not self.direct else "; parts written with O_DIRECT (checkpoint.direct_io)"
                   if self._direct_possible() else "; checkpoint.direct_io not used: O_DIRECT is for ext4 and "
                   "XFS, without collective buffering, aligned on a multiple of 4 KiB")
-        return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}{direct}"
+        mapped = "; parts copied into a shared mapping of the file" if self.mapped_writes() else ""
+        return f"checkpoint I/O: {fs}; {align}; MPI-IO hints: {hints}{direct}{mapped}"
 
 
 def io_of(info):

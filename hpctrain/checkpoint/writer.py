@@ -20,6 +20,7 @@ from . import format as fmt
 from .agreement import agree, describe_error, hint_for
 from .directio import open_direct
 from .iosettings import IOSettings
+from .mapped import open_mapped
 from .plan import mark_finite, piece_checksums, refuse_nonfinite
 
 # Lowest HDF5 file format allowing attributes over 64 KiB (large param_groups JSON); any HDF5 >= 1.8 reads it.
@@ -125,17 +126,18 @@ def write_empty(dset):
     dset.id.write(mspace, fspace, np.zeros(1, dtype=dset.dtype), dxpl=dxpl)
 
 
-def _write_alone(dset, d, region, call_bytes, direct=None):
+def _write_alone(dset, d, region, call_bytes, parts=None):
     """Independent writes of this rank's piece, ``call_bytes`` a call; a part of a split dataset straight to
-    its place in the file through ``direct`` (a :class:`~.directio.DirectWriter`) where there is one."""
-    offset = dset.id.get_offset() if direct is not None and len(d.pieces) > 1 else None
+    its place in the file through ``parts`` (a :class:`~.directio.DirectWriter` or
+    :class:`~.mapped.MappedWriter`) where there is one."""
+    offset = dset.id.get_offset() if parts is not None and len(d.pieces) > 1 else None
     if offset is None:  # HDF5 has not placed it (never so in a parallel file: it allocates at creation)
         for local, where in _chunks(d, region, call_bytes):
             dset[fmt.slices(where)] = d.mine[local]
         return
     flat, pos = np.ascontiguousarray(d.mine).reshape(-1).view(np.uint8), 0
     for start, nbytes in fmt.runs(d.shape, region, d.dtype.itemsize):
-        direct.write(offset + start, flat[pos:pos + nbytes])
+        parts.write(offset + start, flat[pos:pos + nbytes])
         pos += nbytes
 
 
@@ -244,9 +246,10 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True, io=
     asks for them (:meth:`~.iosettings.IOSettings.collective_writes`); a dataset that one rank holds whole is
     written by that rank alone (independent I/O), so small tensors cost no collective call and no rank waits
     on another's small write. ``collective=False`` (a background save), or an aligned layout without
-    collective buffering: every piece is written independently, and where ``io`` asks for direct writes
-    (:meth:`~.iosettings.IOSettings.direct_writes`) a rank's parts of split datasets go to the places HDF5 gave
-    them through :mod:`.directio`, past the page cache. Each piece is checksummed (and checked for
+    collective buffering: every piece is written independently, and a rank's parts of split datasets go to the
+    places HDF5 gave them past HDF5: through :mod:`.directio` where ``io`` asks for direct writes
+    (:meth:`~.iosettings.IOSettings.direct_writes`), else through :mod:`.mapped` on a local file system
+    (:meth:`~.iosettings.IOSettings.mapped_writes`). Each piece is checksummed (and checked for
     NaN) right before it is written, so the disk is busy from the first dataset on; the checksums, the same on
     every rank once gathered, are written into their attributes after the data (:func:`seal`). A NaN found on
     any rank refuses the save on all, and the file is left for the caller to remove. ``io``: the layout and
@@ -269,12 +272,12 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True, io=
         except Exception as exc:
             errors.append(f"creating datasets: {describe_error(exc)}")
         agree(errors, comm, path, "creating datasets in")
-        direct = _direct_writer(path, io, call_bytes)
+        parts = _parts_writer(path, io, call_bytes)
         try:
-            sums, bad = _write_datasets(plan, dsets, rank, call_bytes, collective, errors, direct)
+            sums, bad = _write_datasets(plan, dsets, rank, call_bytes, collective, errors, parts)
         finally:
-            if direct is not None:
-                direct.close()
+            if parts is not None:
+                parts.close()
         gathered = comm.allgather((errors, sums, bad))
         failed = any(e for e, _, _ in gathered)
         if not failed:
@@ -309,18 +312,21 @@ def write_parallel(path, plan, comm, call_bytes=CALL_BYTES, collective=True, io=
     return checksums
 
 
-def _direct_writer(path, io, call_bytes):
-    """This rank's :class:`~.directio.DirectWriter` into ``path`` where ``io`` asks for direct writes; None
-    elsewhere, or where the file cannot be opened so (HDF5 then writes every byte, as without)."""
-    if not io.direct_writes():
-        return None
+def _parts_writer(path, io, call_bytes):
+    """This rank's writer of its parts of split datasets into ``path``: a :class:`~.directio.DirectWriter` where
+    ``io`` asks for direct writes, a :class:`~.mapped.MappedWriter` where it maps them; None elsewhere, or where
+    the file cannot be opened so (HDF5 then writes every byte, as without)."""
     try:
-        return open_direct(path, call_bytes)
+        if io.direct_writes():
+            return open_direct(path, call_bytes)
+        if io.mapped_writes():
+            return open_mapped(path, call_bytes)
     except OSError:
-        return None
+        pass
+    return None
 
 
-def _write_datasets(plan, dsets, rank, call_bytes, collective, errors, direct=None):
+def _write_datasets(plan, dsets, rank, call_bytes, collective, errors, parts=None):
     """This rank's share of every dataset, each piece checksummed right before it is written: ``(checksums,
     non-finite dataset indices)``. A failure goes into ``errors``; the rank still enters every collective."""
     sums, bad = [], []
@@ -363,7 +369,7 @@ def _write_datasets(plan, dsets, rank, call_bytes, collective, errors, direct=No
     for i, d, dset, region in alone:
         try:
             checked(i, d)
-            _write_alone(dset, d, region, call_bytes, direct)
+            _write_alone(dset, d, region, call_bytes, parts)
         except Exception as exc:
             errors.append(f"writing /{d.path}: {describe_error(exc)}")
     return sums, bad
