@@ -15,7 +15,9 @@ after the other on the same state:
   ``hpctrain_unaligned``: the layout of before the aligned one (``checkpoint.alignment = 1``);
   ``hpctrain_collective``: the aligned layout written in collective calls, as where the hints ask for
   collective buffering (``romio_cb_write=enable``, the default on Lustre and GPFS); ``hpctrain_direct``: with
-  ``checkpoint.direct_io`` (each rank's parts written and re-read with O_DIRECT);
+  ``checkpoint.direct_io`` (each rank's parts written and re-read with O_DIRECT); ``hpctrain_buffered``: the
+  parts written by HDF5's buffered writes, as before the shared mappings (the ranks take turns on the file's
+  lock there);
 * ``dcp``: ``torch.distributed.checkpoint.save``/``load`` over gloo on every rank;
 * ``raw_shared`` and ``raw_per_rank`` (save only, not in the default list): every rank writes its share of
   the tensors with plain writes and fsyncs, into one shared file or into a file of its own (as DCP does):
@@ -349,7 +351,7 @@ def main():
     parser.add_argument("--dir", default=None, help="scratch directory (default: under /tmp)")
     parser.add_argument("--methods", nargs="*",
                         default=["raw", "torch", "torch_all", "hpctrain", "hpctrain_noverify", "hpctrain_unaligned",
-                                 "hpctrain_collective", "hpctrain_direct", "dcp"])
+                                 "hpctrain_collective", "hpctrain_direct", "hpctrain_buffered", "dcp"])
     parser.add_argument("--stall", action="store_true", help="also measure the training stall")
     parser.add_argument("--stall-steps", type=int, default=3)
     parser.add_argument("--stall-reps", type=int, default=2)
@@ -399,6 +401,7 @@ def main():
 
     collective_io = io_with(hints={"romio_cb_write": "enable"}) if "hpctrain_collective" in args.methods else None
     direct_io = io_with(direct=True) if "hpctrain_direct" in args.methods else None
+    buffered_io = io_with(mapped=False) if "hpctrain_buffered" in args.methods else None
 
     dcp_error = None
     if "dcp" in args.methods:
@@ -431,6 +434,9 @@ def main():
             lambda: load_checkpoint(path("hpctrain_collective"), state, comm), True),
         "hpctrain_direct": (lambda: save_checkpoint(path("hpctrain_direct"), state, comm, io=direct_io),
                             lambda: load_checkpoint(path("hpctrain_direct"), state, comm), True),
+        # The writes of before the shared mappings: HDF5's buffered writes, which the ranks take in turns.
+        "hpctrain_buffered": (lambda: save_checkpoint(path("hpctrain_buffered"), state, comm, io=buffered_io),
+                              lambda: load_checkpoint(path("hpctrain_buffered"), state, comm), True),
         "dcp": (lambda: dcp_save(path("dcp"), state), lambda: dcp_load(path("dcp"), state), True),
         "raw_shared": (lambda: raw_shared_save(path("raw_shared"), tensors, comm), None, True),
         "raw_per_rank": (lambda: raw_per_rank_save(path("raw_per_rank"), tensors, comm), None, True),

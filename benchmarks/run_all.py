@@ -128,7 +128,7 @@ def ckpt_settings_plan(quick, j):
     resume after some work), the two interleaved."""
     size = ["--state-mib", "128" if quick else "1100", "--prefault-mib", "0"]
     launches = []
-    order = ("hpctrain", "hpctrain_direct", "dcp")
+    order = ("hpctrain", "hpctrain_buffered", "hpctrain_direct", "dcp")
     for r in range(1 if quick else FRESH_ROUNDS):
         for method in (order if r % 2 == 0 else order[::-1]):
             name = f"ckpt_io-fresh-{method}-r{r}"
@@ -136,7 +136,8 @@ def ckpt_settings_plan(quick, j):
                              240 if quick else 300))
     trained = ["--train-steps", "2" if quick else "10", "--reps", "1" if quick else "5"]
     # With the floors of the two layouts: plain writes of each rank's share into one file, and into its own.
-    launches.append(("ckpt_io-trained-2", 2, ["ckpt_io.py", "--methods", "hpctrain", "hpctrain_direct", "dcp",
+    launches.append(("ckpt_io-trained-2", 2, ["ckpt_io.py", "--methods", "hpctrain", "hpctrain_buffered",
+                                              "hpctrain_direct", "dcp",
                                               "raw_shared", "raw_per_rank"] + size + trained
                      + j("ckpt_io-trained-2"), 300 if quick else 900))
     return launches
