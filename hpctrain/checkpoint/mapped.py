@@ -10,8 +10,8 @@ a ``write``.
 
 A write into a mapping cannot report a full disk or an exceeded quota; the kernel sends SIGBUS instead. So every
 range is first allocated with ``fallocate``, which reports ENOSPC and EDQUOT as errors; where the file system
-cannot allocate ahead, the writer writes plainly (``pwrite``) from then on. The mapping is made a window at a time, so a rank's resident
-memory grows by one window, not by its parts."""
+cannot allocate ahead, the writer writes plainly (``pwrite``) from then on. The mapping is made a window at a
+time, so a rank's resident memory grows by one window, not by its parts."""
 import errno
 import mmap
 import os
@@ -26,8 +26,8 @@ _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class MappedWriter:
-    """One rank's writes into the existing file ``path``: each range allocated, then copied into a shared
-    mapping of it, ``window_bytes`` at a time (:func:`open_mapped`)."""
+    """One rank's writes into a file open for reading and writing (``fd``, closed by :meth:`close`): each range
+    allocated, then copied into a shared mapping of it, ``window_bytes`` at a time (:func:`open_mapped`)."""
 
     def __init__(self, fd, window_bytes):
         self._fd = fd
