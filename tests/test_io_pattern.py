@@ -95,7 +95,8 @@ def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
         if mine:
             writes.append(mine)
         # the file itself, not the companions Open MPI maps elsewhere (a shared file pointer's, a semaphore)
-        windows = [(o, n) for path, o, n in windows if "/ckpt/" in path and re.search(r"\.h5\.tmp-[^/.]*$", path)]
+        windows = [(o, n) for path, o, n in windows
+                   if "/ckpt/" in path and re.search(r"\.h5\.tmp-[^/.]*$", path)]
         if allocated or windows:
             report["allocated"] += allocated
             report["mapped"].append((allocated, windows))
