@@ -56,8 +56,8 @@ def save(ranks, strace=None, alignment=0, *hints, io=None, direct=False):
     process that mapped, ``pwrites`` the plain writes. ``direct``: checkpoint.direct_io. ``io``: Open MPI's
     MPI-IO component (default: its own choice)."""
     work = Path(tempfile.mkdtemp(prefix=f"hpctrain-io-{ranks}-"))
-    traced = [strace, "-f", "-ff", "-y", "-e", "trace=openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2,fallocate,mmap",
-              "-o", str(work / "trace")] if strace else []
+    calls = "openat,pwrite64,pwritev,pwritev2,write,writev,preadv,preadv2,fallocate,mmap"
+    traced = [strace, "-f", "-ff", "-y", "-e", f"trace={calls}", "-o", str(work / "trace")] if strace else []
     args = [*traced, PYTHON, SCRIPT] if strace else [SCRIPT]
     result = mpirun(ranks, [*args, work / "ckpt", alignment, *hints, *(["--direct"] if direct else [])], timeout=240,
                     env={"OMPI_MCA_io": io} if io else None)
