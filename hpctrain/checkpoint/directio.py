@@ -15,6 +15,8 @@ import errno
 import mmap
 import os
 
+from ..runtime.fsutil import pwrite_all
+
 BLOCK = 4096  # the logical block size O_DIRECT wants offsets, lengths and buffers aligned on, on these disks
 MIN_CHUNK = 1 << 20
 MAX_CHUNK = 16 << 20  # larger writes were no faster; the bounce buffer stays small
@@ -85,9 +87,7 @@ class DirectWriter(_DirectFile):
         return True
 
     def _plain_write(self, offset, data):
-        while len(data):
-            done = os.pwrite(self._plain, data, offset)
-            offset, data = offset + done, data[done:]
+        pwrite_all(self._plain, data, offset)
 
 
 class DirectReader(_DirectFile):

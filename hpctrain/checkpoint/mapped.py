@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from ..runtime.fsutil import pwrite_all
+
 PAGE = mmap.ALLOCATIONGRANULARITY  # mapping offsets must be multiples of it
 MIN_WINDOW = 1 << 20
 MAX_WINDOW = 16 << 20  # as the direct writes' buffer: the resident mapped pages stay few (a munmap each)
@@ -44,7 +46,7 @@ class MappedWriter:
         if self._mapping:
             self._mapping = _allocate(self._fd, offset, len(data))
         if not self._mapping:  # a write into a mapping of unallocated blocks could end in SIGBUS
-            self._plain_write(offset, data)
+            pwrite_all(self._fd, data, offset)
             return
         pos, end = offset, offset + len(data)
         while pos < end:
@@ -56,12 +58,6 @@ class MappedWriter:
                 del window  # the mapping closes only when no view of it is left
             self.mapped_bytes += start + n - pos
             pos = start + n
-
-    def _plain_write(self, offset, data):
-        view = memoryview(data)
-        while len(view):
-            done = os.pwrite(self._fd, view, offset)
-            offset, view = offset + done, view[done:]
 
     def close(self):
         if self._fd is not None:

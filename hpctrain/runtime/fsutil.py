@@ -78,6 +78,14 @@ def early_writeback(path, interval=0.02):
     return stop
 
 
+def pwrite_all(fd, data, offset):
+    """Every byte of ``data`` (bytes-like) at ``offset`` of ``fd``: one ``pwrite`` may write fewer."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        offset, view = offset + done, view[done:]
+
+
 def durable_rename(tmp, final):
     """fsync the data, rename into place, fsync the directory entry."""
     fsync_path(tmp)
