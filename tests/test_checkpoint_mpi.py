@@ -10,6 +10,7 @@ import pytest
 
 from assertions import ranks_say
 from mpi_harness import ROOT, mpirun
+from system_packages import install_debian
 
 pytestmark = pytest.mark.mpi
 
@@ -179,6 +180,32 @@ def test_disk_full_and_read_only_file_systems(tmp_path):
     finally:
         subprocess.run(["umount", str(full)], timeout=30)
         subprocess.run(["umount", str(ro)], timeout=30, capture_output=True)
+
+
+def test_disk_full_on_ext4_while_parts_are_mapped(tmp_path):
+    """A real full ext4 (8 MiB, mounted from an image): each rank's parts go through a shared mapping of the
+    file there, so the disk fills while a part's space is allocated. Every rank reports errno 28 (no rank dies
+    of SIGBUS), the temp file is gone and the previous checkpoint stays valid and `latest`."""
+    if shutil.which("mkfs.ext4") is None and os.geteuid() == 0:
+        install_debian("e2fsprogs")
+    image, mount = tmp_path / "ext4.img", tmp_path / f"ext4-{uuid.uuid4().hex[:6]}"
+    with open(image, "wb") as f:
+        f.truncate(8 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", str(image)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    os.makedirs(mount)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True,
+                             timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount an ext4 image here (needs root and a loop device): {mounted.stderr.strip()}")
+    try:
+        result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, "disk_full_mapped", "--tmpfs", mount],
+                        timeout=TIMEOUT).check()
+        ranks_say(result, "disk_full_mapped ERROR: ", 2)
+        ranks_say(result, "disk_full_mapped OK", 2)
+    finally:
+        subprocess.run(["umount", str(mount)], timeout=30)
 
 
 def test_corrupt_file_fails_the_job_on_every_rank(tmp_path):
