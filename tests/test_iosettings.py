@@ -121,10 +121,39 @@ def test_each_ranks_part_starts_on_the_boundary():
             assert all(start * row % align == 0 for _, start, _ in pieces), (rows, cols, ranks, pieces)
     # More ranks than aligned steps: fewer, larger parts, spread over the ranks.
     (pieces,) = fmt.plan_pieces([(((3 << 20) // 4,), 4)], 16, alignment=align)  # 3 MiB of float32
-    assert [(r, a, b) for r, a, b in pieces] == [(0, 0, 262144), (5, 262144, 524288), (10, 524288, 786432)]
+    assert [(r, a, b) for r, a, b in pieces] == [(0, 0, 262144), (1, 262144, 524288), (2, 524288, 786432)]
     # Rows that never meet the boundary in reach: the equal split of before.
     (pieces,) = fmt.plan_pieces([((40, (1 << 18) + 1), 4)], 4, alignment=align)
     assert [(a, b) for _, a, b in pieces] == [(0, 10), (10, 20), (20, 30), (30, 40)]
+
+
+def split_loads(specs, ranks, align):
+    load = [0] * ranks
+    for (shape, itemsize), pieces in zip(specs, fmt.plan_pieces(specs, ranks, alignment=align)):
+        for rank, start, stop in pieces:
+            load[rank] += (stop - start) * fmt.row_bytes(shape, itemsize)
+    return load
+
+
+def test_aligned_cuts_even_out_the_ranks_over_many_tensors():
+    # 12 tensors of 4864 rows of 19 KiB (an MLP's weights and Adam moments, 1.1 GB): 1 MiB steps are 1024 rows,
+    # so one tensor splits 2048 + 2816 at best. The next tensors' cuts make up for it: the ranks end within a
+    # step of each other, not 42% / 58% as the same cut every time gives.
+    specs = [((4864, 4864), 4)] * 12
+    load = split_loads(specs, 2, 1 << 20)
+    assert sum(load) == 12 * 4864 * 4864 * 4 and max(load) - min(load) <= 1024 * 4864 * 4, load
+    # 16 ranks: each tensor has 4 steps (3 of 1024 rows, 1 of 1792), so 4 ranks take a part of it; the next
+    # tensors' parts go to the ranks that hold the least (the same cuts from rank 0 on gave rank 0 5.9x the mean).
+    specs = [((4864, 4864), 4)] * 48
+    load = split_loads(specs, 16, 1 << 20)
+    assert max(load) <= 1.06 * sum(load) / 16, load
+    for (shape, _), pieces in zip(specs, fmt.plan_pieces(specs, 16, alignment=1 << 20)):
+        assert all(start * shape[1] * 4 % (1 << 20) == 0 for _, start, _ in pieces)
+        assert len({r for r, _, _ in pieces}) == len(pieces) == 4
+    # Already uneven loads: the largest part goes to the least loaded rank.
+    assert fmt.aligned_cuts(4864, 4864 * 4, 2, 1 << 20, load=[5, 0]) == [(0, 0, 2048), (1, 2048, 4864)]
+    assert fmt.aligned_cuts(4864, 4864 * 4, 2, 1 << 20, load=[0, 5]) == [(1, 0, 2048), (0, 2048, 4864)]
+    assert fmt.aligned_cuts(4864, 4864 * 4, 2, 1 << 20, load=[9, 5]) == [(0, 0, 2048), (1, 2048, 4864)]
 
 
 def test_unaligned_plans_are_the_ones_of_before():

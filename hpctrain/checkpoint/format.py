@@ -266,9 +266,9 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES, alignment=1):
     the same on every rank. Returns one list per dataset of ``(rank, start_row, stop_row)`` pieces in row
     order. Scalars are one piece ``(rank, 0, 1)``. Large tensors are split along axis 0 into ``nranks`` nearly
     equal parts (empty parts are left out); with ``alignment`` (bytes), each part starts on a multiple of it
-    from the dataset's start (:func:`aligned_cuts`: fewer parts where the tensor holds fewer aligned steps).
-    Small ones go whole to the least-loaded rank (lowest rank on ties), so the result depends only on the
-    arguments."""
+    from the dataset's start (:func:`aligned_cuts`: fewer parts where the tensor holds fewer aligned steps, the
+    larger ones to the ranks that hold the least so far). Small ones go whole to the least-loaded rank (lowest
+    rank on ties), so the result depends only on the arguments (their order too)."""
     if nranks < 1:
         raise ValueError(f"nranks must be >= 1, got {nranks}")
     load = [0] * nranks
@@ -277,7 +277,7 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES, alignment=1):
         size = nbytes_of(shape, itemsize)
         if shape and size >= split_bytes and nranks > 1 and shape[0] > 1:
             rows, width = shape[0], row_bytes(shape, itemsize)
-            pieces = aligned_cuts(rows, width, nranks, alignment)
+            pieces = aligned_cuts(rows, width, nranks, alignment, load)
             if pieces is None:
                 pieces = [(rank, rows * rank // nranks, rows * (rank + 1) // nranks) for rank in range(nranks)]
             pieces = [(rank, start, stop) for rank, start, stop in pieces if stop > start]
@@ -292,12 +292,16 @@ def plan_pieces(specs, nranks, split_bytes=SPLIT_BYTES, alignment=1):
     return plan
 
 
-def aligned_cuts(rows, row_bytes, nparts, alignment):
+def aligned_cuts(rows, row_bytes, nparts, alignment, load=None):
     """``[(part, start_row, stop_row)]`` of ``rows`` rows of ``row_bytes`` cut into at most ``nparts`` nearly
     equal parts, each starting a multiple of ``alignment`` bytes from the dataset's start; fewer parts where
-    the rows hold fewer aligned steps (part indices then spread over ``range(nparts)``). None where not even
-    one step fits (rows much longer than the alignment and no common multiple in reach), or without an
-    alignment (``alignment`` <= 1)."""
+    the rows hold fewer aligned steps. None where not even one step fits (rows much longer than the alignment
+    and no common multiple in reach), or without an alignment (``alignment`` <= 1).
+
+    The parts go largest first to the least loaded of ``range(nparts)`` (``load``: the bytes each already
+    holds of other tensors; none: equal), each to a different one. An aligned step can be a large slice of
+    a tensor (1 MiB over rows of 19 KiB is 1024 rows), so the parts are often unequal; giving the larger one to
+    the same rank every time would leave it writing far more than the others over many tensors."""
     if alignment <= 1:
         return None
     unit = alignment // math.gcd(alignment, row_bytes)  # rows per aligned step
@@ -306,7 +310,11 @@ def aligned_cuts(rows, row_bytes, nparts, alignment):
         return None
     parts = min(nparts, steps)
     cuts = [0] + [round(steps * k / parts) * unit for k in range(1, parts)] + [rows]
-    return [(k * nparts // parts, cuts[k], cuts[k + 1]) for k in range(parts) if cuts[k + 1] > cuts[k]]
+    load, free, owner = load or [0] * nparts, list(range(nparts)), {}
+    for k in sorted(range(parts), key=lambda k: (cuts[k] - cuts[k + 1], k)):  # the largest first
+        owner[k] = min(free, key=lambda r: (load[r], r))
+        free.remove(owner[k])
+    return [(owner[k], cuts[k], cuts[k + 1]) for k in range(parts) if cuts[k + 1] > cuts[k]]
 
 
 def rows(shape, start, stop):

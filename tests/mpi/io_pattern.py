@@ -105,6 +105,8 @@ def main(out, alignment, hints, direct):
                     datasets[name] = {"offset": obj.id.get_offset(), "nbytes": obj.nbytes, "shape": obj.shape,
                                       "itemsize": obj.dtype.itemsize}
             f.visititems(visit)
+        # The plan's order (the order the datasets were created in, the order of their offsets), not the names'.
+        datasets = dict(sorted(datasets.items(), key=lambda item: item[1]["offset"] or 0))
         pieces = fmt.plan_pieces([(tuple(d["shape"]), d["itemsize"]) for d in datasets.values()], world.size,
                                  alignment=io.alignment)
         for d, p in zip(datasets.values(), pieces):
