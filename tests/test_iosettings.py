@@ -119,7 +119,7 @@ def test_each_ranks_part_starts_on_the_boundary():
         row = cols * 4
         if align // math.gcd(align, row) <= rows:
             assert all(start * row % align == 0 for _, start, _ in pieces), (rows, cols, ranks, pieces)
-    # More ranks than aligned steps: fewer, larger parts, spread over the ranks.
+    # More ranks than aligned steps: fewer, larger parts, each on a rank of its own.
     (pieces,) = fmt.plan_pieces([(((3 << 20) // 4,), 4)], 16, alignment=align)  # 3 MiB of float32
     assert [(r, a, b) for r, a, b in pieces] == [(0, 0, 262144), (1, 262144, 524288), (2, 524288, 786432)]
     # Rows that never meet the boundary in reach: the equal split of before.
@@ -137,8 +137,8 @@ def split_loads(specs, ranks, align):
 
 def test_aligned_cuts_even_out_the_ranks_over_many_tensors():
     # 12 tensors of 4864 rows of 19 KiB (an MLP's weights and Adam moments, 1.1 GB): 1 MiB steps are 1024 rows,
-    # so one tensor splits 2048 + 2816 at best. The next tensors' cuts make up for it: the ranks end within a
-    # step of each other, not 42% / 58% as the same cut every time gives.
+    # so one tensor splits 2048 + 2816 at best. The larger part goes to the rank holding less: the ranks end
+    # within a step of each other, not 42% / 58% as the larger part on rank 1 every time gave.
     specs = [((4864, 4864), 4)] * 12
     load = split_loads(specs, 2, 1 << 20)
     assert sum(load) == 12 * 4864 * 4864 * 4 and max(load) - min(load) <= 1024 * 4864 * 4, load
