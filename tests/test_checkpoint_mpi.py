@@ -209,7 +209,7 @@ def test_disk_full_on_ext4_while_parts_are_mapped(tmp_path):
 
 
 def test_corrupt_file_fails_the_job_on_every_rank(tmp_path):
-    result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, "exit_corrupt"], timeout=TIMEOUT)
+    result = mpirun(2, [SCRIPTS / "ckpt_scenarios.py", tmp_path, "exit_corrupt"], timeout=TIMEOUT, fresh=True)
     assert result.returncode != 0
     ranks_say(result, "exit_corrupt ERROR: ", 2)
     assert "/optimizer/state/embed.weight/exp_avg" in result.stdout

@@ -53,7 +53,7 @@ def test_one_rank_hdf5_error_raises_everywhere_or_aborts(tmp_path):
     """Rank 1 cannot extend the file (RLIMIT_FSIZE, a real EFBIG inside HDF5's writes):
     every rank raises the same error, or the job aborts naming the file; never a hang."""
     start = time.monotonic()
-    result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, "one_rank_cannot_extend"], timeout=TIMEOUT)
+    result = mpirun(2, [SCRIPTS / "ckpt_safety.py", tmp_path, "one_rank_cannot_extend"], timeout=TIMEOUT, fresh=True)
     assert time.monotonic() - start < TIMEOUT - 20, "the job waited until the harness's timeout"
     if result.returncode == 0:
         ranks_say(result, "one_rank_cannot_extend ERROR: ", 2)

@@ -21,7 +21,7 @@ WRITER_THREAD = "hpctrain-checkpoint-writer"
 def run(directory, env=None):
     args = [SCRIPTS / "fail_inject.py", SCRIPTS / "ckpt_train.py", directory, STEPS, "every_steps=2",
             "async_save=1", "resume=auto"]
-    return mpirun(2, args, timeout=RUN_TIMEOUT, env=env)
+    return mpirun(2, args, timeout=RUN_TIMEOUT, env=env, fresh=True)
 
 
 def latest(directory):

@@ -17,7 +17,7 @@ def test_on_root_and_all_or_none(n):
 
 @pytest.mark.parametrize("n,failing", [(2, 1), (4, 2)])
 def test_exception_on_one_rank_aborts_the_job(n, failing):
-    result = mpirun(n, ["tests/mpi/abort_on_error.py", str(failing)], timeout=120)
+    result = mpirun(n, ["tests/mpi/abort_on_error.py", str(failing)], timeout=120, fresh=True)
     assert result.returncode != 0
     assert f"unhandled exception on rank {failing} ({socket.gethostname()})" in result.stderr
     assert "RuntimeError: injected failure" in result.stderr

@@ -17,7 +17,7 @@ HOST = socket.gethostname()
 @pytest.mark.parametrize("n,failing", [(2, 1), (4, 0), (4, 3)])
 def test_exception_on_one_rank_ends_every_rank(n, failing):
     start = time.monotonic()
-    result = mpirun(n, ["tests/mpi/fail_raise.py", str(failing)], timeout=120)
+    result = mpirun(n, ["tests/mpi/fail_raise.py", str(failing)], timeout=120, fresh=True)
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.output
     assert f"unhandled exception on rank {failing} ({HOST}); aborting all {n} ranks" in result.stderr
@@ -32,7 +32,7 @@ def test_exception_on_one_rank_ends_every_rank(n, failing):
 @pytest.mark.parametrize("n,hanging", [(2, 1), (4, 2)])
 def test_watchdog_ends_a_hung_job_with_stacks(n, hanging):
     start = time.monotonic()
-    result = mpirun(n, ["tests/mpi/fail_hang.py", str(hanging), "3"], timeout=120)
+    result = mpirun(n, ["tests/mpi/fail_hang.py", str(hanging), "3"], timeout=120, fresh=True)
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.output
     err = result.stderr
@@ -122,7 +122,7 @@ def test_exit_or_base_exception_on_one_rank_ends_every_rank(mode, failing, statu
     # sys.exit, KeyboardInterrupt or any BaseException on one rank used to let that rank end
     # normally while the others waited in the allreduce forever.
     start = time.monotonic()
-    result = mpirun(2, ["tests/mpi/exit_one_rank.py", str(failing), mode], timeout=60)
+    result = mpirun(2, ["tests/mpi/exit_one_rank.py", str(failing), mode], timeout=60, fresh=True)
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.output
     if status is not None:
@@ -136,7 +136,7 @@ def test_exit_or_base_exception_on_one_rank_ends_every_rank(mode, failing, statu
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode,status", [("everywhere", 4), ("collective", 2)])
 def test_exit_taken_by_every_rank_alike_ends_the_ranks_normally(mode, status):
-    result = mpirun(2, ["tests/mpi/exit_one_rank.py", "0", mode], timeout=60)
+    result = mpirun(2, ["tests/mpi/exit_one_rank.py", "0", mode], timeout=60, fresh=True)
     assert result.returncode == status, result.output
     assert "aborting" not in result.stderr and "MPI_ABORT" not in result.output
     assert result.stdout.count("started") == 2

@@ -38,7 +38,7 @@ def train(run_dir, digits, env=None):
     log = Path(run_dir).parent / "resumes.log"
     log.unlink(missing_ok=True)
     result = mpirun(2, ["tests/mpi/fail_inject.py", "-m", "hpctrain", "train", "examples/digits.toml",
-                        *config(run_dir, digits)], timeout=RUN_TIMEOUT, env=dict(env or {}, FAIL_LOG=str(log)))
+                        *config(run_dir, digits)], timeout=RUN_TIMEOUT, env=dict(env or {}, FAIL_LOG=str(log)), fresh=True)
     resumed = {}
     if log.exists():
         resumed = {int(r): int(s) for r, s in re.findall(r"rank (\d+) resumed (\d+)", log.read_text())}

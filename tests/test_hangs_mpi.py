@@ -24,7 +24,7 @@ HOST = socket.gethostname()
 def test_a_rank_hung_in_a_phase_ends_the_job_naming_rank_host_and_phase(phase, label):
     out = tempfile.mkdtemp(prefix="hpctrain-hang-")
     start = time.monotonic()
-    result = mpirun(2, ["tests/mpi/hang_phase.py", out, phase, "6"], timeout=90)
+    result = mpirun(2, ["tests/mpi/hang_phase.py", out, phase, "6"], timeout=90, fresh=True)
     elapsed = time.monotonic() - start
     assert result.returncode == 4, result.output[-4000:]
     assert "rank 1: stuck in" in result.stdout, result.output[-4000:]

@@ -26,7 +26,7 @@ RECOVERED = re.compile(r"hpctrain: recovered step (\d+) from the node-local chec
 def run(directory, local_dir, env=None, async_save=False, ranks=2):
     args = [SCRIPTS / "fail_inject.py", SCRIPTS / "ckpt_train.py", directory, STEPS, "every_steps=10",
             "local_every=3", f"local_dir={local_dir}", "resume=auto"] + (["async_save=1"] if async_save else [])
-    return mpirun(ranks, args, timeout=RUN_TIMEOUT, env=env)
+    return mpirun(ranks, args, timeout=RUN_TIMEOUT, env=env, fresh=True)
 
 
 def assert_same_final(a_dir, b_dir):
@@ -124,7 +124,7 @@ def test_sharded_snapshot_is_the_file_an_hdf5_save_writes_and_resumes_on_fewer_r
     args = [*common, f"run.run_dir={run_dir}", "checkpoint.every_steps=20", "checkpoint.local=true",
             "checkpoint.local_every_steps=5", f"checkpoint.local_dir={local}"]
     killed = mpirun(4, [SCRIPTS / "fail_inject.py", "-m", "hpctrain", "train", *args], timeout=RUN_TIMEOUT,
-                    env={"FAIL_RANK": "2", "FAIL_AT": "backward:27", "FAIL_ACTION": "kill"})
+                    env={"FAIL_RANK": "2", "FAIL_AT": "backward:27", "FAIL_ACTION": "kill"}, fresh=True)
     assert killed.returncode != 0 and "node-local checkpoints in" in killed.stdout, killed.output[-3000:]
     resumed = mpirun(2, ["-m", "hpctrain", "train", *args], timeout=RUN_TIMEOUT).check()
     found = RECOVERED.search(resumed.stdout)

@@ -173,7 +173,7 @@ def test_rank_killed_during_sharded_save_leaves_latest_valid(tmp_path):
             "train.max_steps=6", *ADAMW]
     # 14 dataset writes per save on rank 1 (counted with FAIL_COUNT=1): kill it half-way
     # through the save of step 4
-    killed = mpirun(2, args, timeout=TIMEOUT, env={"FAIL_RANK": "1", "FAIL_AT": "h5write:21", "FAIL_ACTION": "kill"})
+    killed = mpirun(2, args, timeout=TIMEOUT, env={"FAIL_RANK": "1", "FAIL_AT": "h5write:21", "FAIL_ACTION": "kill"}, fresh=True)
     assert killed.returncode != 0
     assert "fail_inject: rank 1: kill at h5write call 21" in killed.stderr, killed.stderr[-3000:]
     directory = tmp_path / "checkpoints"
