@@ -4,12 +4,75 @@ import sys
 # The harness modules (mpi_harness, slurm_cluster) live beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
+import re  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
+import mpi_harness  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- tiers (docs/testing.md)
+# What a test launches decides its marker, so that `-m` selects by what a machine has: a launch of ranks
+# (mpirun, also through a pool or `hpctrain launch`) needs `mpi`, Slurm's commands need `slurm`, the
+# multi-node cluster needs `multinode`. Checked at every launch (below), not left to memory.
+# (Slurm's query commands are left out: hpctrain itself asks squeue and sinfo, and copes where they are absent.)
+LAUNCHERS = {"mpirun": "mpi", "mpiexec": "mpi", "srun": "slurm", "sbatch": "slurm", "salloc": "slurm"}
+
+
+def _needs(args):
+    """The marker a command line needs, or None."""
+    if isinstance(args, (str, bytes)) or not args:
+        return None
+    args = [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in args]
+    name = os.path.basename(args[0])
+    if name in LAUNCHERS:
+        return LAUNCHERS[name]
+    if name in ("bash", "sh") and "-c" in args[1:-1]:  # a shell script of the test's: what it runs
+        words = set(re.findall(r"[\w.-]+", args[args.index("-c") + 1]))
+        return next((LAUNCHERS[w] for w in ("sbatch", "srun", "salloc", "mpirun", "mpiexec") if w in words), None)
+    if "hpctrain" in args and "launch" in args[args.index("hpctrain") + 1:args.index("hpctrain") + 2]:
+        return "mpi"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def launches_carry_their_marker(request, monkeypatch):
+    """Fails a test that launches ranks or uses Slurm without the marker that says so."""
+    marks = {m.name for m in request.node.iter_markers()}
+    if "slurm_multinode" in request.fixturenames and "multinode" not in marks:
+        pytest.fail("this test uses the multi-node Slurm cluster: mark it @pytest.mark.multinode")
+    if "slurm_cluster" in request.fixturenames and "slurm" not in marks:
+        pytest.fail("this test uses the Slurm cluster: mark it @pytest.mark.slurm")
+    real = subprocess.Popen.__init__
+
+    def check(needed, what):
+        # Slurm tests start ranks through srun and mpirun alike; the multi-node ones are Slurm tests too.
+        if needed and needed not in marks and not (needed == "mpi" and "slurm" in marks):
+            raise AssertionError(f"this test runs {what}: mark it @pytest.mark.{needed} "
+                                 f"(tests/conftest.py, docs/testing.md)")
+
+    def checked(self, args, *rest, **kwargs):
+        check(_needs(args), os.path.basename(str(args[0])) if not isinstance(args, str) else args)
+        real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+    monkeypatch.setattr(mpi_harness, "check_launch", lambda needed: check(needed, "ranks (mpirun)"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`), the tests that mostly wait on a Slurm cluster (its start, job
+    scheduling, SlurmdTimeout, a real time limit) run on workers of their own, one cluster each, beside the
+    tests that compute."""
+    for item in items:
+        if item.get_closest_marker("multinode"):
+            item.add_marker(pytest.mark.xdist_group("multinode"))
+        elif item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")

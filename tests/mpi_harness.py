@@ -59,6 +59,10 @@ def mpi_env(extra=None):
     return env
 
 
+def check_launch(needed):
+    """Replaced by tests/conftest.py while a test runs: fails a test that launches without its marker."""
+
+
 @dataclass
 class Result:
     returncode: int
@@ -85,6 +89,7 @@ def mpirun(n, args, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, check=False, pe
 
     ``per_rank``: also keep each rank's output apart (``Result.ranks``). mpirun's own streams
     interleave the ranks' writes mid-line, so a message counted "on every rank" is counted there."""
+    check_launch("mpi")
     python = bool(args) and (str(args[0]).endswith(".py") or args[0] in ("-m", "-c"))
     full_env = mpi_env(env)
     if python and not fresh and n in POOL_RANKS and _same_at_start(full_env, _POOL_ENV):

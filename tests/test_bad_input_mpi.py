@@ -4,7 +4,11 @@ and the fix, exit 2, no traceback; a ``latest`` that points out of the checkpoin
 with a warning that says why and which checkpoint was taken instead."""
 import re
 
+import pytest
+
 from mpi_harness import hpctrain
+
+pytestmark = pytest.mark.mpi
 
 TIMEOUT = 120
 

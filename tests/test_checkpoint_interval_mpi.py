@@ -7,9 +7,13 @@ import math
 import re
 import statistics
 
+import pytest
+
 from hpctrain.checkpoint import reader
 from hpctrain.checkpoint.interval import PROBE_STEPS
 from mpi_harness import mpirun
+
+pytestmark = pytest.mark.mpi
 
 SCRIPT = "tests/mpi/interval_train.py"
 SAVE_SLEEP, STEP_SLEEP = 0.25, 0.02

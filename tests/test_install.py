@@ -228,6 +228,7 @@ def test_installation_needs_no_checkout(site):
 
 
 @pytest.mark.slow
+@pytest.mark.mpi
 def test_module_load_then_doctor_and_two_rank_training_from_an_empty_directory(site):
     proc, work = as_user(site, f"""
 module load hpctrain

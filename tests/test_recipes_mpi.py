@@ -11,6 +11,8 @@ import pytest
 
 from mpi_harness import ROOT, hpctrain, mpirun
 
+pytestmark = pytest.mark.mpi
+
 SCHEDULE = ROOT / "tests" / "mpi" / "schedule_run.py"
 NONFINITE = ROOT / "tests" / "mpi" / "nonfinite_train.py"
 TIMEOUT = 120

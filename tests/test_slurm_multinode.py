@@ -28,7 +28,7 @@ from checkpoint_files import tensors
 from mpi_harness import PYTHON, ROOT
 from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of, wait_for_step
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
 STEP_TIMEOUT = 120  # one srun step
 JOB_TIMEOUT = 300  # one resilient job, failure and relaunch included
