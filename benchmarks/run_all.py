@@ -118,6 +118,12 @@ def plan(quick, out):
         name = f"zero_memory-limit-{mode}-4"
         launches.append((name, 4, ["zero_memory.py", "--mode", mode] + limit + j(name), 240 if quick else 900))
     launches += comm_modes_plan(quick, out, j)
+    # The language-model example as shipped, to the validation loss its docstring states (the suite trains
+    # it for a few steps only).
+    name = "example_targets-byte_gpt-2"
+    launches.append((name, 2, ["example_targets.py", "--example", "byte_gpt"] + (["--max-steps", "20"] if quick
+                                                                                  else []) + j(name),
+                     300 if quick else 1500))
     return launches
 
 
@@ -191,7 +197,7 @@ def run(name, n, args, timeout, out, log):
     cond["settle_s"] = waited
     quiet, why = conditions.judge(cond)
     for line in stdout.splitlines():
-        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes", "zero_memory")):
+        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes", "zero_memory", "example_targets")):
             print(f"  {line}", flush=True)
     entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
              "conditions": cond, "publishable": quiet, "why_not": why}

@@ -100,9 +100,10 @@ pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
 pyok 'import torch, numpy' || { say "installing $TORCH_SPEC and numpy"; "${PIP[@]}" "$TORCH_SPEC" numpy; }
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
 # hpctrain's own runtime dependencies come with it at the end, from setup.cfg.
-pyok 'import numpy, pytest, cython, pkgconfig, setuptools, packaging, psutil' || {
+# pytest-xdist: `make test` runs the Slurm tests, which mostly wait, beside the others (scripts/test.sh).
+pyok 'import numpy, pytest, xdist, cython, pkgconfig, setuptools, packaging, psutil' || {
   say "installing numpy, pytest and build tools"
-  "${PIP[@]}" numpy pytest cython pkgconfig setuptools packaging psutil
+  "${PIP[@]}" numpy pytest pytest-xdist cython pkgconfig setuptools packaging psutil
 }
 
 # The builds below are installed with --ignore-installed: a package of the same version that an

@@ -110,6 +110,11 @@ KillWait=10
 # sent relative to the limit itself).
 OverTimeLimit=1
 MailProg=/bin/true
+# Job ids of their own: two test clusters on one machine (the test suite runs a single-node and a
+# multi-node one side by side) would otherwise both count from 1, and Open MPI names the shared-memory
+# segments of an srun step after its PMIx namespace (job and step id): the steps of two clusters with the
+# same ids took each other's segments and crashed in MPI (SIGSEGV in btl_vader).
+FirstJobId=$((CTLD_PORT * 1000 + 1))
 StateSaveLocation=$DIR/state
 SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log

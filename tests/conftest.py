@@ -64,14 +64,12 @@ def launches_carry_their_marker(request, monkeypatch):
     monkeypatch.setattr(mpi_harness, "check_launch", lambda needed: check(needed, "ranks (mpirun)"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`), the tests that mostly wait on a Slurm cluster (its start, job
-    scheduling, SlurmdTimeout, a real time limit) run on workers of their own, one cluster each, beside the
-    tests that compute."""
+    """Under pytest-xdist (`make test`), the tests on the Slurm clusters, which mostly wait (job scheduling,
+    SlurmdTimeout, a real time limit), run in order on one worker, beside the tests that compute."""
     for item in items:
-        if item.get_closest_marker("multinode"):
-            item.add_marker(pytest.mark.xdist_group("multinode"))
-        elif item.get_closest_marker("slurm"):
+        if item.get_closest_marker("slurm") or item.get_closest_marker("multinode"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
 

@@ -92,7 +92,9 @@ def mpirun(n, args, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, check=False, pe
     check_launch("mpi")
     python = bool(args) and (str(args[0]).endswith(".py") or args[0] in ("-m", "-c"))
     full_env = mpi_env(env)
-    if python and not fresh and n in POOL_RANKS and _same_at_start(full_env, _POOL_ENV):
+    pooled = python and not fresh and n in POOL_RANKS and _same_at_start(full_env, _POOL_ENV)
+    _note_launch(n, args, pooled, fresh, full_env)
+    if pooled:
         result = _pool(n).run([str(a) for a in args], full_env, cwd or ROOT, timeout)
         return result.check() if check else result
     if python:
@@ -122,6 +124,27 @@ def hpctrain(n, *args, **kwargs):
     """``mpirun -n N python -m hpctrain ARGS``."""
     return mpirun(n, ["-m", "hpctrain", *args], **kwargs)
 
+
+def command(*args, timeout=120, cwd=None, env=None):
+    """``hpctrain ARGS`` for the commands that run in one process without MPI (``ckpt``, ``report``), run by
+    the pool of one rank: the same command line and output, without importing torch and h5py again."""
+    return mpirun(1, ["-m", "hpctrain", *map(str, args)], timeout=timeout, cwd=cwd, env=env)
+
+
+
+def _note_launch(n, args, pooled, fresh, env):
+    """One line per launch into the file HPCTRAIN_TEST_LAUNCHES names (if set): how the suite's launches
+    went, pooled or not and why (docs/testing.md counts them)."""
+    path = os.environ.get("HPCTRAIN_TEST_LAUNCHES")
+    if not path:
+        return
+    why = ("pool" if pooled else "fresh=True" if fresh else f"{n} ranks" if n not in POOL_RANKS else
+           "not python" if not (str(args[0]).endswith(".py") or args[0] in ("-m", "-c")) else
+           "at start: " + ",".join(sorted(k for k in {*env, *_POOL_ENV} if k.startswith(AT_START)
+                                          and env.get(k) != _POOL_ENV.get(k))))
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "ranks": n,
+                            "how": why, "args": [str(a) for a in args][:3]}) + "\n")
 
 
 # ---------------------------------------------------------------- pools of ranks

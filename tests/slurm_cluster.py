@@ -117,7 +117,7 @@ class SlurmCluster:
         records = [_parse_record(line) for line in path.read_text().splitlines()]
         return [r for r in records if r.get("JobId") == str(job_id)]
 
-    def wait(self, job_id, timeout=300, poll=1.0):
+    def wait(self, job_id, timeout=300, poll=0.25):
         """Wait until every task of ``job_id`` is in a final state; returns their records.
 
         A requeued job passes through REQUEUED/PENDING and runs again, so those states are

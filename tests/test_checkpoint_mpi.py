@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from assertions import ranks_say
-from mpi_harness import ROOT, mpirun
+from mpi_harness import ROOT, command, mpirun
 from system_packages import install_debian
 
 pytestmark = pytest.mark.mpi
@@ -91,8 +91,7 @@ def test_cli_verify_names_damaged_dataset(saved, tmp_path):
     with open(bad, "r+b") as f:
         f.seek(offset + 3)
         f.write(b"\x55")
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "verify", str(bad)], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = command("ckpt", "verify", bad)
     assert proc.returncode == 1
     assert "/model/fc2.weight: checksum mismatch" in proc.stderr
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from checkpoint_files import tensors
-from mpi_harness import PYTHON, ROOT, mpirun
+from mpi_harness import command, mpirun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -59,10 +59,7 @@ def latest(run_dir):
 
 
 def verify(path):
-    import subprocess
-
-    proc = subprocess.run([PYTHON, "-m", "hpctrain", "ckpt", "verify", str(path)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    proc = command("ckpt", "verify", path)
     return proc.returncode == 0 and ": ok" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -189,24 +189,27 @@ def test_launch_supervises_a_script(tmp_path):
 
 
 # ---------------------------------------------------------------- the language-model example
-TARGET_NATS = 1.65  # the target examples/byte_gpt.py states
+STEPS = 40  # enough to learn something; the stated target (600 steps) is make bench's (example_targets.py)
 
 
 @pytest.mark.slow
-def test_byte_gpt_reaches_its_target_resumes_on_one_rank_and_exports(tmp_path):
-    """examples/byte_gpt.toml as shipped, on 2 ranks, to its stated validation loss; then 20 more
-    steps resumed on 1 rank (the same global batch); then the exported weights, loaded into the
-    example's own model in this process, score what the run reported."""
+def test_byte_gpt_as_shipped_learns_resumes_on_one_rank_and_exports(tmp_path):
+    """examples/byte_gpt.toml as shipped but for its step budget, on 2 ranks: it learns (below ln 256, what a
+    model that learnt nothing scores); then 10 more steps resumed on 1 rank (the same global batch); then the
+    exported weights, loaded into the example's own model in a process of their own, score what the run
+    reported. That the shipped 600 steps reach the stated 1.65 nats is measured by `make bench`."""
     run_dir, data = tmp_path / "gpt", tmp_path / "bytes.h5"
-    common = ["examples/byte_gpt.toml", f"run.run_dir={run_dir}", f"data.kwargs.path={data}", "monitor.progress=log"]
-    out = hpctrain(2, "train", *common, cwd=ROOT, timeout=1500).check().output
+    common = ["examples/byte_gpt.toml", f"run.run_dir={run_dir}", f"data.kwargs.path={data}", "monitor.progress=log",
+              f"train.eval_every={STEPS}"]
+    out = hpctrain(2, "train", *common, f"train.max_steps={STEPS}", cwd=ROOT, timeout=600).check().output
     reached = last_eval(out)["val_loss"]
-    assert "done at step 600" in out and reached < TARGET_NATS, out[-3000:]
+    assert f"done at step {STEPS}" in out and reached < math.log(256) - 1, out[-3000:]
 
-    out = hpctrain(1, "train", *common, "train.max_steps=620", cwd=ROOT, timeout=300).check().output
-    assert re.search(r"resumed from \S+ckpt-0*600.h5 at step 600", out) and "done at step 620" in out, out[-3000:]
-    reported = float(re.search(r"done at step 620.* val_loss (\S+)", out).group(1))
-    assert reported < TARGET_NATS
+    out = hpctrain(1, "train", *common, f"train.max_steps={STEPS + 10}", cwd=ROOT, timeout=300).check().output
+    assert re.search(rf"resumed from \S+ckpt-0*{STEPS}.h5 at step {STEPS}", out) and \
+        f"done at step {STEPS + 10}" in out, out[-3000:]
+    reported = float(re.search(rf"done at step {STEPS + 10}.* val_loss (\S+)", out).group(1))
+    assert reported < reached  # ten more steps on one rank went on learning
 
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     exported = tmp_path / "gpt.pt"
