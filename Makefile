@@ -2,6 +2,8 @@
 #
 #   make demo    train the digits example on 2 ranks; prints the run directory
 #   make test    run the whole test suite (unit, real mpirun, real Slurm, end-to-end)
+#   make test-quick   unit tests and one smoke test per layer under mpirun -n 2 (about 2 minutes)
+#   make coverage     the whole suite with line coverage of every process, ranks included
 #   make setup   build the stack into .venv (idempotent; both targets above call it)
 #   make bench   benchmarks (communication, training step, checkpoint I/O)
 #   make bench-ettr   training under random rank kills: ETTR against an uninterrupted run (~22 minutes)
@@ -17,7 +19,7 @@ NP ?= 2
 MPIRUN ?= mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 PYTEST_ARGS ?=
 
-.PHONY: setup install demo test test-fast bench bench-ettr doctor clean
+.PHONY: setup install demo test test-quick coverage bench bench-ettr doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -34,8 +36,12 @@ demo: setup
 test: setup
 	@bash scripts/test.sh $(PYTEST_ARGS)
 
-test-fast: setup
-	@$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+# The inner loop (docs/testing.md): what needs no cluster and no long run, in one process.
+test-quick: setup
+	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "smoke or not (mpi or slurm or multinode or gpu or slow)" $(PYTEST_ARGS)
+
+coverage: setup
+	@bash scripts/coverage.sh -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 bench: setup
 	@bash scripts/bench.sh
@@ -44,4 +50,4 @@ bench-ettr: setup
 	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/ettr.py $(ETTR_ARGS)
 
 clean:
-	rm -rf runs bench-results .pytest_cache
+	rm -rf runs bench-results .pytest_cache coverage

@@ -100,10 +100,13 @@ pyok() { "$PY" -c "$@" >/dev/null 2>&1; }
 pyok 'import torch, numpy' || { say "installing $TORCH_SPEC and numpy"; "${PIP[@]}" "$TORCH_SPEC" numpy; }
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
 # hpctrain's own runtime dependencies come with it at the end, from setup.cfg.
-# pytest-xdist: `make test` runs the Slurm tests, which mostly wait, beside the others (scripts/test.sh).
-pyok 'import numpy, pytest, xdist, cython, pkgconfig, setuptools, packaging, psutil' || {
+# pytest-xdist: `make test` runs the Slurm tests, which mostly wait, beside the others (scripts/test.sh), as
+# one group of tests. pytest < 9: pytest-xdist 3.8 (the newest) marks a group in a test's id in a way pytest 9
+# no longer reads, and then spreads the group's tests over every worker.
+PYTEST_SPEC='pytest>=8,<9'
+pyok 'import numpy, pytest, xdist, cython, pkgconfig, setuptools, packaging, psutil, sys; sys.exit(int(pytest.__version__.split(".")[0]) >= 9)' || {
   say "installing numpy, pytest and build tools"
-  "${PIP[@]}" numpy pytest pytest-xdist cython pkgconfig setuptools packaging psutil
+  "${PIP[@]}" numpy "$PYTEST_SPEC" pytest-xdist cython pkgconfig setuptools packaging psutil
 }
 
 # The builds below are installed with --ignore-installed: a package of the same version that an

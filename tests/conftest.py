@@ -64,13 +64,18 @@ def launches_carry_their_marker(request, monkeypatch):
     monkeypatch.setattr(mpi_harness, "check_launch", lambda needed: check(needed, "ranks (mpirun)"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(wrapper=True)  # around the others: the groups are set before pytest-xdist reads them
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test`), the tests on the Slurm clusters, which mostly wait (job scheduling,
     SlurmdTimeout, a real time limit), run in order on one worker, beside the tests that compute."""
+    # A module with a Slurm test goes there whole: its module-scoped fixtures (test_install.py's installation
+    # and test user) are then made once, by one worker.
+    on_slurm = {item.module.__name__ for item in items
+                if item.get_closest_marker("slurm") or item.get_closest_marker("multinode")}
     for item in items:
-        if item.get_closest_marker("slurm") or item.get_closest_marker("multinode"):
+        if item.module.__name__ in on_slurm:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ def test_more_ranks_than_tensors(tmp_path):
         ranks_say(result, text, 4)
 
 
-@pytest.mark.parametrize("async_save", ["0", "1"])
+@pytest.mark.parametrize("async_save", [pytest.param("0", marks=pytest.mark.smoke), "1"])
 def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path, async_save):
     import torch
 

@@ -38,7 +38,7 @@ def bitwise_equal(a, b):
     return all(np.array_equal(x, y) for x, y in zip(params(a), params(b)))
 
 
-@pytest.mark.parametrize("backend", ["horovod", "mpi"])
+@pytest.mark.parametrize("backend", ["horovod", pytest.param("mpi", marks=pytest.mark.smoke)])
 def test_local_sgd_averaging_every_step_equals_sync(tmp_path, backend):
     # Plain SGD: the mean of the ranks' locally updated parameters is the update by the mean gradient.
     common = [f"comm.backend={backend}", "train.momentum=0"]

@@ -8,7 +8,7 @@ from mpi_harness import mpirun
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_on_root_and_all_or_none(n):
     result = mpirun(n, ["tests/mpi/coordination_roles.py"], timeout=120).check()
     for rank in range(n):

@@ -21,6 +21,7 @@ def test_pipeline_matches_single_process(args):
     ranks_say(result, "MATCH", 4)
 
 
+@pytest.mark.smoke  # (on 4 ranks, as every test of split models)
 def test_tensor_parallel_matches_single_process():
     result = mpirun(4, [SCRIPTS / "parallel_train.py", "--tensor", "4", "--tol", "1e-5"], timeout=TIMEOUT).check()
     ranks_say(result, "MATCH", 4)

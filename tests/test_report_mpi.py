@@ -82,6 +82,7 @@ def test_report_of_a_real_trainer_run(tmp_path):
     assert "steps: 24" in text and "checkpoints: 0" in text
 
 
+@pytest.mark.smoke
 def test_report_of_an_hpctrain_train_run(tmp_path):
     from mpi_harness import hpctrain
 

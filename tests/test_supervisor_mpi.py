@@ -175,6 +175,7 @@ def test_restarts_exhausted_stop_with_the_count_and_the_cause(tmp_path, digits, 
     assert [(r["kind"], r["rank"], r["error"]) for r in records] == [("exception", 1, "RuntimeError")] * 2
 
 
+@pytest.mark.smoke
 def test_configuration_error_is_not_restarted(tmp_path, digits, wrapper):
     code, out = launch(tmp_path, digits, wrapper, ["-n", "2"], extra=["train.lr=-1"])
     assert code == 2, out[-6000:]

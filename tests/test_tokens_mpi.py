@@ -83,7 +83,7 @@ def reference():
     return _runs["reference"]
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_a_tiny_causal_lm_trains_on_token_windows(n):
     result = reference() if n == 2 else train(n, f"ranks{n}", "train.max_steps=8")
     out = result.stdout

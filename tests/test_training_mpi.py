@@ -62,9 +62,9 @@ BACKENDS = [pytest.param("horovod", marks=needs_horovod), "mpi"]
 
 
 @pytest.mark.parametrize("backend, n, compression", [
-    pytest.param("horovod", 2, "none", marks=needs_horovod),
+    pytest.param("horovod", 2, "none", marks=[needs_horovod, pytest.mark.smoke]),
     pytest.param("horovod", 2, "fp16", marks=needs_horovod),
-    ("mpi", 2, "none"),
+    pytest.param("mpi", 2, "none", marks=pytest.mark.smoke),
     ("mpi", 4, "fp16"),
 ])
 def test_every_rank_ends_with_bitwise_identical_parameters(backend, n, compression):
@@ -208,6 +208,7 @@ def test_missing_horovod_fails_alike_on_every_rank_with_a_hint(tmp_path):
     assert "Traceback" not in cli.stderr
 
 
+@pytest.mark.smoke
 def test_cli_unknown_key_exits_2_with_the_message(tmp_path):
     result = hpctrain(2, "train", "examples/digits.toml", "train.bach_size=4", timeout=90)
     assert result.returncode == 2
@@ -216,7 +217,8 @@ def test_cli_unknown_key_exits_2_with_the_message(tmp_path):
 
 
 # ---------------------------------------------------------------- the step budget
-@pytest.mark.parametrize("epochs, max_steps, ends_by", [(0, 50, "max_steps"), (2, 50, "epochs")])
+@pytest.mark.parametrize("epochs, max_steps, ends_by", [pytest.param(0, 50, "max_steps", marks=pytest.mark.smoke),
+                                                     (2, 50, "epochs")])
 def test_max_steps_alone_is_the_budget_and_with_epochs_the_first_ends_the_run(tmp_path, digits, epochs,
                                                                               max_steps, ends_by):
     result = hpctrain(2, "train", "examples/digits.toml", f"data.path={digits}", "comm.backend=mpi",

@@ -4,7 +4,12 @@ collective calls the save made and how many bytes rank 0 received in them. Rank 
 ``IO_PATTERN {...}``; run under strace, the writes themselves are in the trace.
 
     mpirun -n 4 python tests/mpi/io_pattern.py OUT_DIR ALIGNMENT [HINT=VALUE ...] [--direct]   # direct_io
+        [--then-default OUT_DIR2]   # then a save with the default settings: IO_PATTERN_DEFAULT {...}
     mpirun -n 4 python tests/mpi/io_pattern.py --load FILE     # read it back: LOADED OK on every rank
+
+``--then-default`` gives a second save's report from the same launch (a launch of 16 ranks costs half a
+minute here); under strace its writes are in the trace too, in files under OUT_DIR2, which the test tells
+apart by their path.
 """
 import json
 import os
@@ -87,8 +92,14 @@ def load(path):
     print(f"RANK {world.rank} LOADED OK", flush=True)
 
 
-def main(out, alignment, hints, direct):
+def main(out, alignment, hints, direct, then_default=None):
     world = init_world(comm=Counted(MPI.COMM_WORLD.Dup()))
+    save_and_report(world, out, alignment, hints, direct, "IO_PATTERN")
+    if then_default:
+        save_and_report(world, then_default, 0, {}, False, "IO_PATTERN_DEFAULT")
+
+
+def save_and_report(world, out, alignment, hints, direct, tag):
     state = make_state(seed=0)
     cfg = CheckpointConfig(on_epoch_end=False, alignment=alignment, io_hints=hints, direct_io=direct)
     mgr = CheckpointManager(out, world, cfg)
@@ -113,7 +124,7 @@ def main(out, alignment, hints, direct):
             row = fmt.row_bytes(d["shape"], d["itemsize"])
             d["starts"] = [d["offset"] + start * row for _, start, _ in p]
             d["ranks"] = [r for r, _, _ in p]
-        print("IO_PATTERN " + json.dumps({
+        print(f"{tag} " + json.dumps({
             "ranks": world.size, "alignment": io.alignment, "hints": io.hints, "file": path,
             "file_bytes": os.path.getsize(path), "data_bytes": sum(d["nbytes"] for d in datasets.values()),
             "datasets": datasets, "calls": [c for c, _ in calls], "received": [r for _, r in calls],
@@ -126,5 +137,9 @@ if __name__ == "__main__":
         if sys.argv[1] == "--load":
             load(sys.argv[2])
         else:
-            main(sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:] if a != "--direct"),
-                 "--direct" in sys.argv[3:])
+            args = sys.argv[3:]
+            then = args[args.index("--then-default") + 1] if "--then-default" in args else None
+            if then:
+                del args[args.index("--then-default"):args.index("--then-default") + 2]
+            main(sys.argv[1], int(sys.argv[2]), dict(a.split("=", 1) for a in args if a != "--direct"),
+                 "--direct" in args, then)
