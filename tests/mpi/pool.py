@@ -197,6 +197,15 @@ def run_job(job, stem, rank, process):
             os.close(saved[1])
 
 
+def _save_coverage():
+    """Under `make coverage`, what this job ran is written now: a later job that ends the pool (an abort, a
+    kill) would otherwise take every earlier job's lines with it."""
+    coverage = sys.modules.get("coverage")
+    current = coverage and coverage.Coverage.current()
+    if current is not None:
+        current.save()
+
+
 def _next_job(folder, k, harness):
     """The k-th job, once the harness has written it; None when the harness is gone."""
     path = os.path.join(folder, f"job-{k}.json")
@@ -240,6 +249,7 @@ def main(argv):
         stem = os.path.join(folder, f"job-{k}.{rank}")
         started = time.monotonic()
         status = run_job(job, stem, rank, process)
+        _save_coverage()
         with open(stem + ".status.tmp", "w") as f:
             f.write(f"{status} {time.monotonic() - started:.3f}")
         os.replace(stem + ".status.tmp", stem + ".status")
