@@ -41,7 +41,7 @@ test-quick: setup
 	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -m "smoke or not (mpi or slurm or multinode or gpu or slow)" $(PYTEST_ARGS)
 
 coverage: setup
-	@bash scripts/coverage.sh -n 3 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	@bash scripts/coverage.sh -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 bench: setup
 	@bash scripts/bench.sh

@@ -64,39 +64,17 @@ def launches_carry_their_marker(request, monkeypatch):
     monkeypatch.setattr(mpi_harness, "check_launch", lambda needed: check(needed, "ranks (mpirun)"))
 
 
-# The groups of tests that each run in order on one pytest-xdist worker (`make test`), longest first: the
-# tests on the single-node Slurm cluster, those on the multi-node one (both mostly wait: job scheduling,
-# SlurmdTimeout, a real time limit), and the installation's (its module-scoped site installation and test user
-# are made once, by one worker; one of its tests submits to a Slurm cluster of that worker's own).
-GROUPS = ("slurm", "multinode", "install")
-
-
-def _group(item):
-    if item.module.__name__ == "test_install":
-        return "install"
-    if item.get_closest_marker("multinode"):
-        return "multinode"
-    if item.get_closest_marker("slurm"):
-        return "slurm"
-    return None
-
-
 @pytest.hookimpl(wrapper=True)  # around the others: the groups are set before pytest-xdist reads them
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist the groups above start first, one worker each (scripts/test.sh keeps this order:
-    --no-loadscope-reorder), and the other tests go to whichever worker is free. A module with a Slurm test
-    joins that group whole (its module-scoped fixtures are then made once)."""
-    groups = {}
+    """Under pytest-xdist (`make test`), the tests on the Slurm clusters, which mostly wait (job scheduling,
+    SlurmdTimeout, a real time limit), run in order on one worker, beside the tests that compute."""
+    # A module with a Slurm test goes there whole: its module-scoped fixtures (test_install.py's installation
+    # and test user) are then made once, by one worker.
+    on_slurm = {item.module.__name__ for item in items
+                if item.get_closest_marker("slurm") or item.get_closest_marker("multinode")}
     for item in items:
-        group = _group(item)
-        if group:
-            groups.setdefault(item.module.__name__, group)
-    for item in items:
-        group = groups.get(item.module.__name__)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-    rank = {g: i for i, g in enumerate(GROUPS)}
-    items.sort(key=lambda item: rank.get(groups.get(item.module.__name__), len(GROUPS)))  # stable
+        if item.module.__name__ in on_slurm:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     return (yield)
 
 
