@@ -60,6 +60,10 @@ elif phase == "resume":
     def resume_stuck(self, state):
         if self.world.rank == 1:
             stuck("resume")
+        # Rank 0 has nothing to load and would otherwise arm its next phase (monitor set-up, a collective that
+        # waits for rank 1) at the same moment: its watchdog could then fire first and name that phase. Lingering
+        # here (well under the timeout) lets the hung rank's watchdog fire first, as on a real, slower load.
+        time.sleep(min(2.0, timeout / 3))
         return resume(self, state)
 
     manager.CheckpointManager.resume = resume_stuck
