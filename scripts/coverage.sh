@@ -13,6 +13,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY=${VENV:-.venv}/bin/python
+case $PY in /*) ;; *) PY=$ROOT/$PY ;; esac  # absolute: the report is made from inside $OUT
 OUT=${COVERAGE_OUT:-coverage}
 
 "$PY" -c 'import coverage' 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check 'coverage>=7.10'
