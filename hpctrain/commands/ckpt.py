@@ -4,6 +4,7 @@
     hpctrain ckpt inspect FILE                  metadata, trainer state, every dataset
     hpctrain ckpt verify FILE                   exit 1 and name the dataset on corruption
     hpctrain ckpt export FILE --to OUT.pt       a plain torch state dict (or .safetensors)
+    hpctrain ckpt export FILE --to DIR --format hf    a transformers model's from_pretrained directory
 """
 import argparse
 import json
@@ -159,9 +160,17 @@ def model_state_dict(path):
 
 
 def cmd_export(args):
+    out, how = args.to, args.format or _format_of(args.to)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        print(f"hpctrain ckpt: error: cannot write {out}: the directory {parent} does not exist\n"
+              f"HINT: create it first (mkdir -p {parent}), or give --to a path in an existing directory",
+              file=sys.stderr)
+        return 2
     sd = model_state_dict(args.file)
-    out = args.to
-    if out.endswith(".safetensors"):
+    if how == "hf":
+        return _export_pretrained(args.file, sd, out)
+    if how == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError:
@@ -174,6 +183,35 @@ def cmd_export(args):
 
         torch.save(sd, out)
     print(f"wrote {len(sd)} tensors to {out}")
+    return 0
+
+
+EXPORT_FORMATS = ("torch", "safetensors", "hf")
+
+
+def _format_of(path):
+    return "safetensors" if path.endswith(".safetensors") else "torch"
+
+
+def _export_pretrained(path, sd, out):
+    """``--format hf``: the run's model rebuilt from the ``[model]`` its checkpoint records, given the weights,
+    and written with ``save_pretrained`` (loads with ``AutoModel*.from_pretrained(out)``)."""
+    from ..checkpoint.reader import read_header
+    from ..config import TrainConfig
+    from ..config.usercode import make_importable
+    from ..errors import HpctrainError
+    from ..models.huggingface import save_pretrained
+
+    recorded = fmt.from_json(read_header(path).root_attrs.get("run_config", "{}"), "/ run_config")
+    cfg = TrainConfig.from_dict({"model": recorded.get("model", {})}, source=f"{path}'s run_config")
+    make_importable(recorded.get("run", {}).get("python_path", []))
+    try:
+        model = save_pretrained(sd, cfg.model, out)
+    except HpctrainError as exc:
+        print(f"hpctrain ckpt: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {type(model).__name__} ({len(sd)} tensors) to {out}/: load it with "
+          f"transformers' {type(model).__name__}.from_pretrained({out!r})")
     return 0
 
 
@@ -191,9 +229,13 @@ def build_parser():
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming a damaged dataset")
     p.add_argument("file")
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("export", help="write the model as a plain torch state dict (.pt) or .safetensors")
+    p = sub.add_parser("export", help="write the model as a torch state dict (.pt), .safetensors, or a "
+                                      "Hugging Face from_pretrained directory (--format hf)")
     p.add_argument("file")
-    p.add_argument("--to", required=True, help="output path ending in .pt or .safetensors")
+    p.add_argument("--to", required=True, help="output path ending in .pt or .safetensors; a directory with --format hf")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default=None,
+                   help="default: from the path (.safetensors, else torch); hf: the run's transformers model's "
+                        "save_pretrained directory (config.json, model.safetensors)")
     p.set_defaults(func=cmd_export)
     return parser
 

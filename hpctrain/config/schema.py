@@ -140,6 +140,13 @@ class DataConfig:
     # (no evaluation); called with [data.kwargs], on rank 0 first, then on the other ranks.
     factory: str = ""
     kwargs: dict = field(default_factory=dict)
+    # How samples of a map-style dataset become a batch (hpctrain/data/batches.py): pairs (x, y) stacked,
+    # dicts stacked key by key; or "package.module:function" called with the list of samples (a padding collator)
+    collate: str = ""
+    # Processes per rank that read and collate the next batches while the step computes (torch's DataLoader
+    # workers; hpctrain/data/loading.py); 0: read in the training process, between steps
+    workers: int = 0
+    prefetch: int = 2  # batches each worker reads ahead
 
 
 @dataclass
@@ -193,6 +200,12 @@ class LoopConfig:
     # evaluation metrics besides val_loss: "package.module:function" (output, target) -> {name: (sum, count)}
     metrics: str = ""
     clip_grad_norm: float = 0.0  # clip the averaged gradients to this global L2 norm; 0: off
+    compile: bool = False  # torch.compile the model (its checkpoints stay those of the eager model)
+    # Stop after this many evaluations in a row without improving checkpoint.best_metric; 0: off
+    early_stop_patience: int = 0
+    # Recompute activations in the backward pass instead of keeping them: the model's own
+    # gradient_checkpointing_enable() where it has one (Hugging Face models), else each top-level block
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -138,6 +138,8 @@ def check_user_code(cfg, need_data=True):
         resolve(cfg.train.loss, "train.loss")
     if cfg.train.metrics:
         resolve(cfg.train.metrics, "train.metrics")
+    if cfg.data.collate:
+        resolve(cfg.data.collate, "data.collate")
     if is_import_path(cfg.train.optimizer):
         _check_optimizer_function(cfg.train.optimizer)
 

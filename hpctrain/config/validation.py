@@ -124,7 +124,8 @@ def _check_train(cfg, cuda):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.lr", t.lr)
     for name in ("epochs", "max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
-                 "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks"):
+                 "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks",
+                 "early_stop_patience"):
         _positive(f"train.{name}", getattr(t, name), zero_ok=True)
     check_choice("train.on_nonfinite", t.on_nonfinite, schema.ON_NONFINITE)
     if not 0 < t.rollback_lr_factor <= 1:
@@ -175,6 +176,8 @@ def _check_data(cfg, need_data):
         raise ConfigError(f"data.generate = \"digits\" makes 64 features and 10 classes, but model.in_features = "
                           f"{cfg.model.in_features} and model.num_classes = {cfg.model.num_classes}",
                           hint="set model.in_features = 64 and model.num_classes = 10")
+    _positive("data.workers", d.workers, zero_ok=True)
+    _positive("data.prefetch", d.prefetch)
     _positive("data.samples", d.samples)
     _positive("data.val_samples", d.val_samples, zero_ok=True)
     _check_tokens(d)

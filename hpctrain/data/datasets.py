@@ -1,4 +1,5 @@
-"""Datasets (anything with ``read(indices) -> (x, y)``) and how a run opens them (:func:`open_datasets`)."""
+"""Datasets (anything with ``read(indices) -> (x, y)`` or a dict batch, :mod:`.batches`) and how a run opens them
+(:func:`open_datasets`)."""
 import os
 
 import numpy as np
@@ -6,6 +7,7 @@ import numpy as np
 from ..config.usercode import call
 from ..errors import ConfigError, HpctrainError
 from ..runtime.coordination import all_or_none, on_root
+from .batches import collate, collate_function
 from .generated import generate
 from .tokens import open_token_splits
 
@@ -97,29 +99,29 @@ def _datasets(f):
     return names
 
 
-def as_dataset(data):
-    """Anything with ``read(indices)``; a map-style torch dataset is wrapped."""
+def as_dataset(data, collate_spec=""):
+    """Anything with ``read(indices)``; a map-style dataset (torch, torchvision, Hugging Face ``datasets``) is
+    wrapped, its samples collated by ``data.collate`` (``collate_spec``) or by :func:`.batches.collate`."""
     if data is None or hasattr(data, "read"):
         return data
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return _MapDataset(data)
+        return MapDataset(data, collate_function(collate_spec), collate_spec)
     raise TypeError(f"cannot read samples from {type(data).__name__}: give an object with "
                     f"read(indices) -> (x, y), or a dataset with __getitem__ and __len__")
 
 
-class _MapDataset:
-    def __init__(self, data):
-        self.data = data
+class MapDataset:
+    """A map-style dataset read a batch at a time: ``dataset[i]`` for each index, then collated."""
+
+    def __init__(self, data, collate_fn=None, collate_spec=""):
+        self.data, self.collate_fn, self.collate_spec = data, collate_fn, collate_spec
 
     def __len__(self):
         return len(self.data)
 
     def read(self, indices):
-        import torch
-
-        items = [self.data[int(i)] for i in indices]
-        # targets of any shape: class numbers, token sequences, regression values
-        return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+        # targets of any shape: class numbers, token sequences, regression values; or dicts by key
+        return collate([self.data[int(i)] for i in indices], self.collate_fn, self.collate_spec)
 
 
 def open_splits(data_cfg):
@@ -143,21 +145,20 @@ def build_data(data_cfg, comm):
     made = {}
 
     def first():
-        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory)
+        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg)
 
     on_root(first, comm)  # only the outcome travels; the datasets stay on rank 0
     if comm.Get_rank() == 0:
         return all_or_none(lambda: made["data"], comm)
-    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg.factory),
-                       comm)
+    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg), comm)
 
 
-def _splits(result, spec):
+def _splits(result, data_cfg):
     train, val = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
     try:
-        return as_dataset(train), as_dataset(val)
+        return as_dataset(train, data_cfg.collate), as_dataset(val, data_cfg.collate)
     except TypeError as exc:
-        raise ConfigError(f"data.factory = {spec!r} returned {type(result).__name__}: {exc}",
+        raise ConfigError(f"data.factory = {data_cfg.factory!r} returned {type(result).__name__}: {exc}",
                           hint="return (train, val) (val may be None) or one dataset") from None
 
 
@@ -166,7 +167,7 @@ def open_datasets(cfg, comm, train=None, val=None):
     factory's (rank 0 first: a cache it writes), else the ``[data]`` file's (one rank generates
     it where ``data.generate`` says and it is missing; the others wait for it or its error)."""
     if train is not None:
-        return as_dataset(train), as_dataset(val)
+        return all_or_none(lambda: (as_dataset(train, cfg.data.collate), as_dataset(val, cfg.data.collate)), comm)
     if cfg.data.factory:
         return build_data(cfg.data, comm)
     if cfg.data.generate != "none":

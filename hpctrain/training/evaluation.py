@@ -20,21 +20,23 @@ import math
 from ..errors import HpctrainError
 
 
-def score_batch(output, target, loss_fn, metrics_fn=None, loss=None):
-    """``{name: (sum, count)}`` of one batch (output in fp32): its ``loss`` where the model computed it
-    (``output`` may then be None), else ``loss_fn``'s."""
-    n = len(target)
+def score_batch(output, target, loss_fn, metrics_fn=None, loss=None, samples=None):
+    """``{name: (sum, count)}`` of one batch (output in fp32) of ``samples`` samples (default: ``len(target)``):
+    its ``loss`` where the model computed it (``output`` may then be None), else ``loss_fn``'s. Target
+    positions of -100 (not scored, as in torch's ``cross_entropy``) count for no accuracy."""
+    n = samples if samples is not None else len(target)
     scores = {"loss": (float(loss if loss is not None else loss_fn(output, target)) * n, n)}
     if output is None:
         if metrics_fn is not None:
             raise HpctrainError("train.metrics needs the model's output, but model(x, y) returned only its loss",
                                 hint="return (output, loss) or an object with .logits, or leave train.metrics unset")
         return scores
-    if not target.dtype.is_floating_point:
+    if target is not None and hasattr(target, "dtype") and not target.dtype.is_floating_point:
+        scored = target != -100
         if output.dim() == 2 and target.dim() == 1:
-            scores["accuracy"] = (float((output.argmax(dim=1) == target).sum()), n)
+            scores["accuracy"] = (float(((output.argmax(dim=1) == target) & scored).sum()), int(scored.sum()))
         elif output.dim() == 3 and target.dim() == 2 and output.shape[:2] == target.shape:
-            scores["accuracy"] = (float((output.argmax(dim=-1) == target).sum()), target.numel())
+            scores["accuracy"] = (float(((output.argmax(dim=-1) == target) & scored).sum()), int(scored.sum()))
     if metrics_fn is not None:
         for name, value in _user_scores(metrics_fn(output, target), n).items():
             scores[name] = value

@@ -17,6 +17,7 @@ What differs from data parallelism:
 import numpy as np
 
 from ..data import eval_shard
+from ..errors import HpctrainError
 from ..job.watchdog import watching
 from ..models import build_model
 from ..parallel.checkpoint import SplitPlanner
@@ -88,7 +89,12 @@ class SplitSteps(DataParallelSteps):
         first, last = self.grid.is_first_stage, self.grid.is_last_stage
         if not (first or last):
             return None, None
-        x, y = data.read(indices)
+        batch = data.read(indices)
+        if isinstance(batch, dict):
+            raise HpctrainError(f"a split model ([parallel]) reads (x, y) samples, but the dataset gives dict batches "
+                                f"(keys {', '.join(batch)})", hint="make the dataset return (x, y), or train "
+                                                                 "data-parallel (no [parallel] section)")
+        x, y = batch
         device = self.world.device
         return (x.to(device, non_blocking=True) if first else None,
                 y.to(device, non_blocking=True) if last else None)

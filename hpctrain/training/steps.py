@@ -22,6 +22,7 @@ import numpy as np
 from ..backends import get_backend
 from ..config.schema import is_import_path
 from ..data import eval_shard
+from ..data.batches import to_device
 from ..job.watchdog import watching
 from ..models import build_model
 from ..runtime.coordination import all_or_none
@@ -50,7 +51,7 @@ class DataParallelSteps:
 
     holds = "model"  # what a rank's parameters are, in the run's first line
     data_ranks_are = "ranks"
-    _model_loss_seen = False  # train.loss = "model": the first call is checked on every rank
+    _first_seen = False  # the first micro-batch is read and computed under a check on every rank
 
     def __init__(self, cfg, world):
         c = cfg.comm
@@ -98,20 +99,21 @@ class DataParallelSteps:
     # -- a step
     def forward_backward(self, run, indices, count):
         """Read micro-batch ``indices``, forward and backward (gradient scaled by 1/``count``); its loss."""
+        if not self._first_seen:
+            # The first micro-batch: what the data and the model make of it (a collate function, a model that
+            # takes no targets or not these keys) fails alike on every rank, not on one while the others wait.
+            self._first_seen = True
+            return all_or_none(lambda: self._forward_backward(run, indices, count), self.world.comm)
+        return self._forward_backward(run, indices, count)
+
+    def _forward_backward(self, run, indices, count):
         device, scaler = self.world.device, run.state.scaler
         with run.timer.phase("data"):
-            x, y = run.train.read(indices)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            batch = to_device(run.train.read(indices), device)
         with run.timer.phase("forward_backward"):
             with autocast(run.cfg.train.precision, device):
-                if run.loss_fn is None and not self._model_loss_seen:
-                    # the first call of a model that computes its loss: what it returns fails alike on all ranks
-                    self._model_loss_seen = True
-                    out, loss = all_or_none(lambda: forward(run.state.model, x, y, None), self.world.comm)
-                else:
-                    out, loss = forward(run.state.model, x, y, run.loss_fn)
-                if loss is None:
-                    loss = run.loss_fn(out, y)
+                result = forward(run.state.model, batch, run.loss_fn)
+                loss = result.loss if result.loss is not None else run.loss_fn(result.output, result.target)
             # Dividing by the micro-batch count makes the summed gradient a mean.
             scaled = loss / count
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -151,12 +153,12 @@ class DataParallelSteps:
         model.eval()
         with torch.no_grad():
             for lo in range(0, len(indices), batch_size):
-                x, y = run.val.read(indices[lo:lo + batch_size])
-                x, y = x.to(world.device), y.to(world.device)
+                batch = to_device(run.val.read(indices[lo:lo + batch_size]), world.device)
                 with autocast(t.precision, world.device):
-                    out, loss = forward(model, x, y, run.loss_fn)
-                out = None if out is None else out.float()
-                evaluation.add(totals, evaluation.score_batch(out, y, run.loss_fn, run.metrics_fn, loss=loss))
+                    result = forward(model, batch, run.loss_fn)
+                out = None if result.output is None else result.output.float()
+                evaluation.add(totals, evaluation.score_batch(out, result.target, run.loss_fn, run.metrics_fn,
+                                                              loss=result.loss, samples=result.samples))
         model.train()
         return totals
 
