@@ -72,6 +72,12 @@ class HDF5Dataset:
     def __len__(self):
         return len(self._x)
 
+    def after_fork(self):
+        """In a forked worker process (``data.workers``): the file opened anew; HDF5 handles do not survive a fork."""
+        self._file = None
+        f = self._open()
+        self._x, self._y = f[self.x_name], f[self.y_name]
+
     def read(self, indices):
         """(x, y) as torch tensors in the order of ``indices``."""
         import torch

@@ -23,6 +23,7 @@ class TokenWindows:
         self.path, self.key, self.block_size = str(path), key, int(block_size)
         self.stride = int(stride) or self.block_size
         self._file = None  # an open h5py file
+        self._dataset = dataset
         if self.block_size < 1 or self.stride < 1:
             raise ValueError(f"block_size {block_size} and stride {stride} must be positive")
         self.tokens = self._open(np.dtype(dtype), dataset)  # np.memmap or h5py Dataset: never a copy
@@ -92,6 +93,12 @@ class TokenWindows:
 
     def __len__(self):
         return self._windows
+
+    def after_fork(self):
+        """In a forked worker process (``data.workers``): an HDF5 token file opened anew (a memory map is kept)."""
+        if self._file is not None:
+            self._file = None
+            self.tokens = self._open_hdf5(self._dataset)
 
     def read(self, indices):
         """(x, y) windows in the order of ``indices``: int64 tensors of shape ``(len(indices), block_size)``."""

@@ -9,6 +9,7 @@ import os
 from ..checkpoint import CheckpointManager
 from ..config import is_split, step_budget, validate
 from ..data import ShardSampler, open_datasets
+from ..data.loading import PrefetchingReader
 from ..errors import ConfigError
 from ..job import rundir, runlock
 from ..job.watchdog import Watchdog, watching
@@ -48,6 +49,10 @@ def set_up(trainer, local):
         # Split runs: each replica (not each rank) reads train.batch_size samples per step.
         sampler = ShardSampler(len(train), cfg.run.seed, t.batch_size, steps.data_ranks, t.accumulation)
         all_or_none(lambda: _check_enough_data(sampler), world.comm)
+    if cfg.data.workers:  # the next batches read by worker processes while the step computes
+        train = PrefetchingReader(train, cfg.data.workers, cfg.data.prefetch, pin_memory=world.device.startswith("cuda"),
+                                  seed=cfg.run.seed, rank=steps.data_rank)
+        local.callback(train.close)
     startup.mark("data")
     torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
     loss_fn = trainer.loss_fn or build_loss(t.loss)

@@ -109,7 +109,12 @@ class Trainer:
     def _train_epoch(self, run):
         """Train from where the run stands to the end of its epoch, or until it must stop."""
         t, progress = run.cfg.train, run.state.progress
-        for micro_batches in run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.steps.data_rank):
+        epoch = run.sampler.steps(progress.epoch, progress.samples_in_epoch, run.steps.data_rank)
+        if hasattr(run.train, "plan"):  # data.workers: what the epoch will read, read ahead
+            epoch = list(epoch)
+            ahead = epoch[:max(0, t.max_steps - progress.step)] if t.max_steps else epoch  # none past the budget
+            run.train.plan([m for step in ahead for m in step], progress.epoch, progress.samples_in_epoch)
+        for micro_batches in epoch:
             if t.max_steps and progress.step >= t.max_steps:
                 return MAX_STEPS
             if _step(run, micro_batches) == ROLLED_BACK:

@@ -1,0 +1,100 @@
+"""Batches read ahead in worker processes while the step computes (``data.workers = N``).
+
+:class:`PrefetchingReader` has the dataset's ``read(indices)``. At each epoch's start the trainer tells it the
+micro-batches it will ask for, in order (:meth:`~PrefetchingReader.plan`: the sampler's, a function of
+``(seed, epoch)`` and the position in the epoch); N processes of torch's ``DataLoader`` read and collate them
+ahead, ``data.prefetch`` batches each. A read that is not the next one planned (an evaluation, the step after
+a rollback) is read directly, so the order and the result never depend on the workers: a resume on any
+number of ranks reads what it read.
+
+Workers are forked from the rank (torch's default on Linux): the dataset needs no pickling, and a worker
+never calls MPI. An HDF5 file the rank holds open is opened again in each worker (HDF5 handles do not
+survive a fork). The samples and their order never depend on the workers; random transforms in a worker draw
+from generators that torch seeds once per run from ``(seed, epoch, rank, position)`` of where the run
+started, so they are not the draws a run with ``data.workers = 0`` makes, nor bit for bit those of a resume.
+"""
+import collections
+import os
+import warnings
+
+import numpy as np
+
+
+class PrefetchingReader:
+    """``dataset.read(indices)``, the planned batches read ahead by ``workers`` processes."""
+
+    def __init__(self, dataset, workers, prefetch=2, pin_memory=False, seed=0, rank=0):
+        self.dataset, self.workers, self.prefetch = dataset, int(workers), int(prefetch)
+        self.pin_memory, self.seed, self.rank = pin_memory, int(seed), int(rank)
+        self._plan = _Plan()
+        self._loader = None
+        self._batches = None
+        self._expected = collections.deque()
+        self.direct_reads = 0  # reads that were not the next planned batch (evaluations, rollbacks)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def plan(self, micro_batches, epoch=0, position=0):
+        """The micro-batches (index arrays) the next reads will ask for, in order; reading ahead starts."""
+        import torch
+
+        self._plan.items = [np.asarray(i) for i in micro_batches]
+        self._expected = collections.deque(self._plan.items)
+        if self._loader is None:
+            self._loader = torch.utils.data.DataLoader(
+                _Reads(self.dataset), batch_size=None, sampler=self._plan, num_workers=self.workers,
+                prefetch_factor=self.prefetch, persistent_workers=True, pin_memory=self.pin_memory,
+                collate_fn=_as_read, multiprocessing_context="fork",
+                generator=torch.Generator())
+        self._loader.generator.manual_seed(int(np.random.SeedSequence(
+            [self.seed, int(epoch), self.rank, int(position)]).generate_state(1)[0]))
+        with warnings.catch_warnings():
+            # torch counts the cores this process may use (one, under mpirun's binding) against N, per rank
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            self._batches = iter(self._loader) if self._plan.items else None
+
+    def read(self, indices):
+        if self._batches is not None and self._expected and np.array_equal(self._expected[0], indices):
+            self._expected.popleft()
+            return next(self._batches)
+        self.direct_reads += 1
+        return self.dataset.read(indices)
+
+    def close(self):
+        """End the worker processes (and close the dataset where it can be)."""
+        self._batches = self._loader = None
+        self._expected.clear()
+        if hasattr(self.dataset, "close"):
+            self.dataset.close()
+
+
+class _Plan:
+    """The sampler of the DataLoader: what :meth:`PrefetchingReader.plan` set, read anew at each ``iter()``."""
+
+    items = ()
+
+    def __iter__(self):
+        return iter(list(self.items))
+
+    def __len__(self):
+        return len(self.items)
+
+
+class _Reads:
+    """``dataset.read(indices)`` as a DataLoader dataset indexed by a whole micro-batch."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.pid = os.getpid()
+
+    def __getitem__(self, indices):
+        if os.getpid() != self.pid:  # the first read in a forked worker
+            self.pid = os.getpid()
+            if hasattr(self.dataset, "after_fork"):
+                self.dataset.after_fork()
+        return self.dataset.read(indices)
+
+
+def _as_read(batch):
+    return batch
