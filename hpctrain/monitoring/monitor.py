@@ -85,6 +85,12 @@ class Monitor:
         if self.root is not None:
             self.root.on_nonfinite(state.progress, event)
 
+    def on_early_stop(self, state, event):
+        """``train.early_stop_patience`` evaluations without improving: the run ends (``event``: step, metric,
+        best, best_step, evaluations, patience)."""
+        if self.root is not None:
+            self.root.on_early_stop(state.progress, event)
+
     def on_end(self, state):
         """Collective: gathers the steps since the last gather; rank 0 writes the last lines."""
         timings = self._gather_timings() if self.totals.values[PhaseTotals.STEPS] else None

@@ -267,6 +267,8 @@ def summarize(records):
                               for r in _kind(records, "slow_rank")],
         "divergences": [{"step": r.get("step"), "ranks": r.get("ranks")} for r in _kind(records, "divergence")],
         "nonfinite": [{k: r.get(k) for k in ("step", "action", "tensor")} for r in _kind(records, "nonfinite")],
+        "early_stop": next(({k: r.get(k) for k in ("step", "metric", "best", "best_step", "evaluations", "patience")}
+                            for r in reversed(_kind(records, "early_stop"))), None),
         # hpctrain launch: each relaunch after a failure, and why it stopped relaunching
         "restarts": restart_events(records),
         "launch_stops": [{k: r.get(k) for k in ("reason", "description", "why")}
@@ -321,6 +323,10 @@ def format_summary(s):
                            if (n := sum(e["action"] == a for e in events)))
         shown = "; ".join(f"step {e['step']} {e['action']} ({e['tensor']})" for e in events[:5])
         lines.append(f"non-finite steps: {len(events)} ({counts}): {shown}" + (" ..." if len(events) > 5 else ""))
+    if s.get("early_stop"):
+        e = s["early_stop"]
+        lines.append(f"early stop at step {e['step']}: {e['metric']} not improved for {e['evaluations']} evaluations "
+                     f"(patience {e['patience']}; best {num(e['best'], '.4g')} at step {e['best_step']})")
     if s.get("restarts"):
         events = s["restarts"]
         lost = sum(e["steps_lost"] or 0 for e in events)

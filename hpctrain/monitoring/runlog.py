@@ -182,6 +182,10 @@ class RunLog:
         self.display.message(f"hpctrain: warning: step {event.get('step')}: non-finite gradients (first: "
                              f"{event.get('tensor')}); {action}")
 
+    def on_early_stop(self, progress, event):
+        self.writer.write({"kind": "early_stop", "epoch": progress.epoch, **self._times(),
+                           **{k: _number(v) if isinstance(v, float) else v for k, v in event.items()}})
+
     def on_checkpoint(self, progress, path, seconds):
         self.writer.write({"kind": "checkpoint", "step": progress.step, "epoch": progress.epoch,
                            **self._times(), "path": str(path), "seconds": _number(seconds)})

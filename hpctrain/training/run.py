@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 EPOCH_END, MAX_STEPS, STOP_REQUESTED, ROLLED_BACK = "epoch_end", "max_steps", "stop_requested", "rolled_back"
+EARLY_STOPPED = "early_stopped"  # train.early_stop_patience evaluations without improving
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Run:
     skips: int = 0  # consecutive steps whose non-finite gradients were not applied
     metrics: Dict[str, float] = field(default_factory=dict)  # of the last evaluation
     evaluated_at: Optional[int] = None  # the step of the last evaluation
+    early_stop: Any = None  # train.early_stop_patience: hpctrain.training.recipes.EarlyStop
+    stop_early: Any = None  # the event of the evaluation that spent the patience
 
     @property
     def backend(self):

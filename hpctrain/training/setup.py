@@ -4,6 +4,7 @@ the order every rank follows (each collective one is entered by every rank, or f
     validate -> watchdog -> steps (backend, process grid) -> run directory and its lock -> data and sampler ->
     model -> optimizer and state -> checkpoints -> resume and broadcast -> monitor -> the run's first lines
 """
+import dataclasses
 import os
 
 from ..checkpoint import CheckpointManager
@@ -20,7 +21,7 @@ from ..runtime import allocator, startup
 from ..runtime.coordination import all_or_none, on_root
 from ..runtime.world import init_world, mpi_settings
 from ..state import Progress, TrainState
-from . import comm_modes
+from . import comm_modes, recipes
 from .losses import build_loss, build_metrics
 from .optimizers import make_optimizer
 from .run import Run
@@ -57,10 +58,14 @@ def set_up(trainer, local):
     torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
     loss_fn = trainer.loss_fn or build_loss(t.loss)
     model = steps.build_model(trainer.model, train, loss_fn)
+    said = _recipes(cfg, model, val, world)
     base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
     state = _state(cfg, steps, model, base_lr)
     startup.mark("model")
     checkpoints = trainer.checkpoints
+    if t.early_stop_patience and not cfg.checkpoint.keep_best:  # the best checkpoint outlives the patience
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, keep_best=1)
+        said.append("early stopping keeps the best checkpoint (checkpoint.keep_best = 1)")
     if checkpoints == "auto":
         checkpoints = CheckpointManager(rundir.checkpoint_dir(cfg, run_dir), world, cfg.checkpoint,
                                         run_config=cfg.to_dict(), planner=steps.planner())
@@ -78,9 +83,28 @@ def set_up(trainer, local):
               PhaseTimer(sync=torch.cuda.synchronize if world.device.startswith("cuda") else None), watchdog,
               loss_fn, base_lr, metrics_fn=build_metrics(t.metrics), budget=budget,
               decay_steps=_decay_steps(t, budget, state.progress))
+    if t.early_stop_patience:
+        run.early_stop = recipes.EarlyStop(t.early_stop_patience, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
     _say_first_lines(run)
+    for line in said:
+        run.log(line)
     model.train()
     return run
+
+
+def _recipes(cfg, model, val, world):
+    """``train.activation_checkpointing`` and ``train.compile`` applied to ``model``; what to say of them."""
+    t, said = cfg.train, []
+    if t.early_stop_patience and val is None:
+        raise ConfigError(f"train.early_stop_patience = {t.early_stop_patience} needs evaluations, but the run has no "
+                          f"validation data", hint="give validation data (data.val, data.val_path, or (train, val) "
+                                                   "from data.factory), or leave train.early_stop_patience at 0")
+    if t.activation_checkpointing:
+        said.append(recipes.checkpoint_activations(model))
+    if t.compile:
+        recipes.compile_model(model)
+        said.append(f"train.compile: {type(model).__name__} compiled with torch.compile (at its first step)")
+    return said
 
 
 def steps_for(cfg, world):

@@ -26,7 +26,7 @@ from ..data.batches import to_device
 from ..job.watchdog import watching
 from ..models import build_model
 from ..runtime.coordination import all_or_none
-from . import evaluation, nonfinite
+from . import evaluation, nonfinite, recipes
 from .losses import forward
 
 
@@ -103,8 +103,23 @@ class DataParallelSteps:
             # The first micro-batch: what the data and the model make of it (a collate function, a model that
             # takes no targets or not these keys) fails alike on every rank, not on one while the others wait.
             self._first_seen = True
-            return all_or_none(lambda: self._forward_backward(run, indices, count), self.world.comm)
+            return all_or_none(lambda: self._first_forward_backward(run, indices, count), self.world.comm)
         return self._forward_backward(run, indices, count)
+
+    def _first_forward_backward(self, run, indices, count):
+        """The first micro-batch; where ``train.compile`` fails to compile the model, it goes on eager."""
+        model = run.state.model
+        if not recipes.is_compiled(model):
+            return self._forward_backward(run, indices, count)
+        try:
+            return self._forward_backward(run, indices, count)
+        except Exception as exc:
+            recipes.uncompile(model)
+            model.zero_grad(set_to_none=True)
+            why = (str(exc).strip().splitlines() or [""])[0][:200]
+            run.log(f"train.compile: torch.compile of {type(model).__name__} failed ({type(exc).__name__}: {why}); "
+                    f"training it eager")
+            return self._forward_backward(run, indices, count)
 
     def _forward_backward(self, run, indices, count):
         device, scaler = self.world.device, run.state.scaler

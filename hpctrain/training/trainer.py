@@ -30,7 +30,7 @@ from ..runtime.coordination import any_rank
 from . import nonfinite
 from .evaluation import evaluate
 from .optimizers import learning_rate, set_lr
-from .run import EPOCH_END, MAX_STEPS, ROLLED_BACK, STOP_REQUESTED
+from .run import EARLY_STOPPED, EPOCH_END, MAX_STEPS, ROLLED_BACK, STOP_REQUESTED
 from .setup import set_up
 from .steps import seed_step
 
@@ -94,6 +94,8 @@ class Trainer:
                 why = self._train_epoch(run)  # after a rollback: again from where it went back to
                 if why == EPOCH_END:
                     _end_epoch(run)
+                    if run.stop_early:
+                        why = EARLY_STOPPED
             stopped = why == STOP_REQUESTED
             if stopped:
                 run.log(f"stop requested: saving at step {run.state.progress.step}")
@@ -119,6 +121,8 @@ class Trainer:
                 return MAX_STEPS
             if _step(run, micro_batches) == ROLLED_BACK:
                 return ROLLED_BACK  # the epoch, its position and the sampler are the checkpoint's now
+            if run.stop_early:
+                return EARLY_STOPPED
             # Agree at every step boundary, so all ranks save and stop after the same step.
             if self.stop_requested is not None:
                 with watching(f"stop agreement after step {progress.step}"):
@@ -134,7 +138,21 @@ def _end_epoch(run):
     progress.samples_in_epoch = 0
     if run.val is not None:
         evaluate(run)
+        _count_evaluation(run)
     _save(run, epoch_end=True, metrics=run.metrics or None)
+
+
+def _count_evaluation(run):
+    """``train.early_stop_patience``: one more evaluation counted (the same verdict on every rank: the metrics are)."""
+    if run.early_stop is None:
+        return
+    event = run.early_stop.update(run.state.progress, run.metrics)
+    if event is not None:
+        run.stop_early = event
+        best = "none finite" if event["best"] is None else f"best {event['best']:.4g} at step {event['best_step']}"
+        run.log(f"early stop at step {event['step']}: {event['metric']} has not improved for {event['evaluations']} "
+                f"evaluations (train.early_stop_patience = {event['patience']}; {best})")
+        run.tell("on_early_stop", run.state, event)
 
 
 def _finish(run, stopped):
@@ -180,6 +198,7 @@ def _step(run, micro_batches):
     if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
         run.state.comm_mode.sync_now(progress.step)  # local_sgd: score one model
         fresh = evaluate(run)
+        _count_evaluation(run)
     with timer.phase("checkpoint"):
         _save(run, metrics=fresh)
     phase_times = timer.times()
