@@ -213,14 +213,14 @@ if [ "$SETUP_MODE" = site ]; then
     || { rm -rf "$wheeldir"; die "building the hpctrain wheel failed (see above)"; }
   whl=$(ls "$wheeldir"/hpctrain-*.whl)
   "${PIP[@]}" --no-deps --force-reinstall "$whl"
-  "${PIP[@]}" "$whl[examples,safetensors]"
+  "${PIP[@]}" "$whl[examples,safetensors,hf]"
   rm -rf "$wheeldir"
 else
   pyok 'import hpctrain, sys; sys.exit(0 if hpctrain.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
     && [ -x "$VENV/bin/hpctrain" ] \
-    && pyok 'import tqdm, matplotlib, sklearn, safetensors' \
+    && pyok 'import tqdm, matplotlib, sklearn, safetensors, transformers' \
     && { [ "$(uname -m)" != x86_64 ] || pyok 'import isal'; } \
-    || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors]"; }
+    || { say "installing hpctrain (editable) and its dependencies"; "${PIP[@]}" --no-build-isolation -e ".[examples,safetensors,hf]"; }
 fi
 
 if [ -n "${SETUP_FACTS:-}" ]; then

@@ -19,6 +19,8 @@ import warnings
 
 import numpy as np
 
+from ..errors import HpctrainError
+
 
 class PrefetchingReader:
     """``dataset.read(indices)``, the planned batches read ahead by ``workers`` processes."""
@@ -41,6 +43,8 @@ class PrefetchingReader:
 
         self._plan.items = [np.asarray(i) for i in micro_batches]
         self._expected = collections.deque(self._plan.items)
+        warnings.filterwarnings("ignore", message="This DataLoader will create")  # torch counts the cores
+        # this process may use (one, under mpirun's binding) against the workers of every rank
         if self._loader is None:
             self._loader = torch.utils.data.DataLoader(
                 _Reads(self.dataset), batch_size=None, sampler=self._plan, num_workers=self.workers,
@@ -49,15 +53,15 @@ class PrefetchingReader:
                 generator=torch.Generator())
         self._loader.generator.manual_seed(int(np.random.SeedSequence(
             [self.seed, int(epoch), self.rank, int(position)]).generate_state(1)[0]))
-        with warnings.catch_warnings():
-            # torch counts the cores this process may use (one, under mpirun's binding) against N, per rank
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-            self._batches = iter(self._loader) if self._plan.items else None
+        self._batches = iter(self._loader) if self._plan.items else None
 
     def read(self, indices):
         if self._batches is not None and self._expected and np.array_equal(self._expected[0], indices):
             self._expected.popleft()
-            return next(self._batches)
+            batch = next(self._batches)
+            if isinstance(batch, _Failed):
+                raise HpctrainError(f"{batch.message} (in a data worker process)", hint=batch.hint)
+            return batch
         self.direct_reads += 1
         return self.dataset.read(indices)
 
@@ -93,7 +97,28 @@ class _Reads:
             self.pid = os.getpid()
             if hasattr(self.dataset, "after_fork"):
                 self.dataset.after_fork()
-        return self.dataset.read(indices)
+        try:
+            return self.dataset.read(indices)
+        except HpctrainError as exc:
+            return _Failed(str(exc).split("\nHINT: ")[0], exc.hint)
+        except Exception as exc:  # the user's dataset: said as one line, as it would be without workers
+            return _Failed(f"reading samples {list(indices)[:4]}... raised {type(exc).__name__}: {exc}{_where(exc)}",
+                           "fix the dataset's __getitem__ (try dataset[i] in a Python shell), or set "
+                           "data.workers = 0 to see it fail in the training process")
+
+
+class _Failed:
+    """What a worker sends back instead of a batch it could not read: the error, said by the rank."""
+
+    def __init__(self, message, hint):
+        self.message, self.hint = message, hint
+
+
+def _where(exc):
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _as_read(batch):
