@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero_memory  # noqa: E402  (its section of the table)
+import recipes  # noqa: E402  (its section of the table)
 
 MIB = 2 ** 20
 
@@ -412,7 +413,7 @@ def stall_lines(stall, launch, setting, verdicts):
 
 
 def extra_section(docs):
-    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-", "zero_memory-")  # comm_modes: its own section
+    known = ("allreduce-", "train_step-", "ckpt_io-", "comm_modes-", "zero_memory-", "recipes-")  # their own sections
     other = {k: v for k, v in docs.items() if not k.startswith(known)}
     lines = []
     for name, doc in other.items():
@@ -445,6 +446,7 @@ def render(out):
     lines += ckpt_settings_section(docs, verdicts)
     lines += scaling_section(docs)
     lines += zero_memory.section(docs, verdicts)
+    lines += recipes.section(docs)
     lines += extra_section(docs)
     from comm_modes import section as comm_modes_section
 

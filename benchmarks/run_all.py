@@ -118,6 +118,12 @@ def plan(quick, out):
         name = f"zero_memory-limit-{mode}-4"
         launches.append((name, 4, ["zero_memory.py", "--mode", mode] + limit + j(name), 240 if quick else 900))
     launches += comm_modes_plan(quick, out, j)
+    # Data workers, compile and activation checkpointing: each variant a process of its own, in alternated rounds.
+    for r in range(1 if quick else ROUNDS):
+        for variant in ("data-memory", "data-inline", "data-workers", "gpt-eager", "gpt-compile", "gpt-recompute"):
+            name = f"recipes-{variant}-r{r}"
+            launches.append((name, 1, ["recipes.py", "--variant", variant, "--steps", "8" if quick else "30"]
+                             + j(name), 300 if quick else 600))
     # The language-model example as shipped, to the validation loss its docstring states (the suite trains
     # it for a few steps only).
     name = "example_targets-byte_gpt-2"
@@ -197,7 +203,8 @@ def run(name, n, args, timeout, out, log):
     cond["settle_s"] = waited
     quiet, why = conditions.judge(cond)
     for line in stdout.splitlines():
-        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes", "zero_memory", "example_targets")):
+        if line.startswith(("allreduce", "train_step", "ckpt_io", "comm_modes", "zero_memory", "example_targets",
+                            "recipes")):
             print(f"  {line}", flush=True)
     entry = {"name": name, "ranks": n, "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
              "conditions": cond, "publishable": quiet, "why_not": why}

@@ -356,3 +356,20 @@ def test_horovods_own_cycle_and_spinning_waits_are_rows_of_their_own(tmp_path):
     assert "| 1.10 | 1.10 | 1.10-1.10 |" in rows["| horovod none 1 ms cycle"]
     # Open MPI's spinning waits: 1.6x DDP's step; normalised by its own slowed local step, 0.53.
     assert "| 160 | 1.60 | 0.53 | 0.53-0.53 |" in rows["| horovod none MPI waits spin"]
+
+
+@pytest.mark.mpi
+def test_recipes_variants_and_their_section(tmp_path):
+    """Two of benchmarks/recipes.py's variants at a few steps: each a process of its own, and the report's rows."""
+    import recipes
+
+    docs = {}
+    for variant in ("data-inline", "data-workers"):
+        out = tmp_path / f"recipes-{variant}.json"
+        run(1, "recipes.py", "--variant", variant, "--steps", "4", "--out", out)
+        docs[out.stem] = json.loads(out.read_text())
+        assert docs[out.stem]["steps"] == 4 and len(docs[out.stem]["step_s"]) == 2
+        assert docs[out.stem]["peak_rss_mib"] > 100 and docs[out.stem]["cost_per_sample_s"] == 0.001
+    lines = "\n".join(recipes.section(docs))
+    assert re.search(r"\| data-workers \| [\d.]+ \([\d.]+-[\d.]+\) \| - \|", lines), lines  # no data-memory: no ratio
+    assert "| data-memory | - |" in lines
