@@ -27,8 +27,8 @@ def not_a_model(**kwargs):
 
 class SelfScoring(nn.Module):
     """A classifier that computes its own loss when given targets, in the ways models do: ``"tuple"``
-    (logits, loss) as nanoGPT's GPT, ``"object"`` with .loss and .logits as Hugging Face models, ``"scalar"``
-    the loss alone; ``"logits"`` ignores the targets (a mistake). Without targets: the logits."""
+    (logits, loss) as nanoGPT's GPT, ``"object"`` with .loss and .logits (real Hugging Face models:
+    test_huggingface*.py), ``"scalar"`` the loss alone; ``"logits"`` ignores the targets (a mistake). Without targets: the logits."""
 
     def __init__(self, in_features, width, classes, style):
         super().__init__()
