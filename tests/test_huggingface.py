@@ -191,7 +191,7 @@ def test_activation_checkpointing_of_a_transformers_model_is_its_own(gpt2):
     assert model.is_gradient_checkpointing
 
 
-def test_a_compiled_model_keeps_its_names_and_falls_back_to_eager():
+def test_a_compiled_model_keeps_its_names_and_goes_back_to_eager():
     model = Blocks()
     names = list(model.state_dict())
     recipes.compile_model(model)

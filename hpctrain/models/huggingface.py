@@ -31,13 +31,20 @@ def _transformers():
 
 
 def from_config(architecture, **config):
-    """``transformers.<architecture>`` built from its configuration class with ``config`` (random weights)."""
+    """``transformers.<architecture>`` built from its configuration class with ``config`` (random weights). Special
+    token ids left at defaults outside a smaller ``vocab_size`` (GPT-2's 50256) are unset."""
     transformers = _transformers()
     cls = getattr(transformers, architecture, None)
     if cls is None or not hasattr(cls, "config_class"):
         raise ConfigError(f"transformers {transformers.__version__} has no model class {architecture!r}",
                           hint="name a model class, e.g. GPT2LMHeadModel, LlamaForCausalLM, "
                                "BertForSequenceClassification")
+    defaults = cls.config_class()
+    vocab = config.get("vocab_size", getattr(defaults, "vocab_size", None))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the default ids of a larger vocabulary
+        default = getattr(defaults, key, None)
+        if key not in config and vocab is not None and isinstance(default, int) and default >= vocab:
+            config[key] = None
     return cls(cls.config_class(**config))
 
 
