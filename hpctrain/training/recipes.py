@@ -16,9 +16,21 @@ EARLY_STOP = "early_stop"  # in Progress.extra: [best value, its step, evaluatio
 
 
 def compile_model(model):
-    """``model`` compiled in place (its ``__call__``); the same object, the same ``state_dict`` names."""
-    model.compile()
-    return model
+    """``model`` compiled in place (its ``__call__``: the same object, the same ``state_dict`` names); a line to
+    say. Where ``torch.compile`` cannot even start (no writable cache directory, ...) the model stays eager."""
+    name = type(model).__name__
+    try:
+        model.compile()
+    except Exception as exc:
+        uncompile(model)
+        return compile_failed(name, exc)
+    return f"train.compile: {name} compiled with torch.compile (at its first step)"
+
+
+def compile_failed(name, exc):
+    """The one line that says a compilation failed and the run goes on eager."""
+    why = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"train.compile: torch.compile of {name} failed ({type(exc).__name__}: {why}); training it eager"
 
 
 def is_compiled(model):

@@ -102,8 +102,7 @@ def _recipes(cfg, model, val, world):
     if t.activation_checkpointing:
         said.append(recipes.checkpoint_activations(model))
     if t.compile:
-        recipes.compile_model(model)
-        said.append(f"train.compile: {type(model).__name__} compiled with torch.compile (at its first step)")
+        said.append(recipes.compile_model(model))
     return said
 
 

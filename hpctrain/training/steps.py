@@ -116,9 +116,7 @@ class DataParallelSteps:
         except Exception as exc:
             recipes.uncompile(model)
             model.zero_grad(set_to_none=True)
-            why = (str(exc).strip().splitlines() or [""])[0][:200]
-            run.log(f"train.compile: torch.compile of {type(model).__name__} failed ({type(exc).__name__}: {why}); "
-                    f"training it eager")
+            run.log(recipes.compile_failed(type(model).__name__, exc))
             return self._forward_backward(run, indices, count)
 
     def _forward_backward(self, run, indices, count):
