@@ -60,7 +60,7 @@ def resolve(spec, key):
                           f"not installed", hint=f"install {exc.name} in the environment the ranks run in") from None
     except Exception as exc:  # a syntax error or an exception at import time in the user's module
         raise ConfigError(f"{key} = {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
-                          f"{_where(exc)}", hint=f"fix {module_name} (try: python -c 'import {module_name}')") from None
+                          f"{where_raised(exc)}", hint=f"fix {module_name} (try: python -c 'import {module_name}')") from None
     target = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -82,7 +82,7 @@ def _signature(fn):
         return repr(fn)
 
 
-def _where(exc):
+def where_raised(exc):
     """`` (at file:line)`` of the innermost frame of an exception, for a one-line message."""
     frames = traceback.extract_tb(exc.__traceback__)
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
@@ -113,7 +113,7 @@ def call(spec, kwargs, key):
         return fn(**kwargs)
     except Exception as exc:
         raise ConfigError(f"{key} = {spec!r}: calling it with {kwargs!r} raised {type(exc).__name__}: "
-                          f"{exc}{_where(exc)}", hint=f"fix the call or its arguments; "
+                          f"{exc}{where_raised(exc)}", hint=f"fix the call or its arguments; "
                                                       f"signature {_signature(fn)}") from exc
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from ..errors import ConfigError, HpctrainError
 
 LABELS = "labels"  # the key of a dict batch that holds the targets (as Hugging Face names it)
+IGNORE = -100  # a target position not scored (torch's cross_entropy and Hugging Face's default ignore_index)
 
 
 def collate(samples, fn=None, spec=""):
@@ -98,7 +99,3 @@ def samples_in(batch):
                 return int(value.shape[0])
         return len(next(iter(batch.values())))
     return len(batch[1])
-
-
-def is_dict(batch):
-    return isinstance(batch, dict)

@@ -19,6 +19,7 @@ import warnings
 
 import numpy as np
 
+from ..config.usercode import where_raised
 from ..errors import HpctrainError
 
 
@@ -102,7 +103,7 @@ class _Reads:
         except HpctrainError as exc:
             return _Failed(str(exc).split("\nHINT: ")[0], exc.hint)
         except Exception as exc:  # the user's dataset: said as one line, as it would be without workers
-            return _Failed(f"reading samples {list(indices)[:4]}... raised {type(exc).__name__}: {exc}{_where(exc)}",
+            return _Failed(f"reading samples {list(indices)[:4]}... raised {type(exc).__name__}: {exc}{where_raised(exc)}",
                            "fix the dataset's __getitem__ (try dataset[i] in a Python shell), or set "
                            "data.workers = 0 to see it fail in the training process")
 
@@ -112,13 +113,6 @@ class _Failed:
 
     def __init__(self, message, hint):
         self.message, self.hint = message, hint
-
-
-def _where(exc):
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _as_read(batch):

@@ -17,6 +17,7 @@ order (exact: no mean of means), and reported as ``val_<name> = sum / count``:
 """
 import math
 
+from ..data.batches import IGNORE
 from ..errors import HpctrainError
 
 
@@ -32,7 +33,7 @@ def score_batch(output, target, loss_fn, metrics_fn=None, loss=None, samples=Non
                                 hint="return (output, loss) or an object with .logits, or leave train.metrics unset")
         return scores
     if target is not None and hasattr(target, "dtype") and not target.dtype.is_floating_point:
-        scored = target != -100
+        scored = target != IGNORE
         if output.dim() == 2 and target.dim() == 1:
             scores["accuracy"] = (float(((output.argmax(dim=1) == target) & scored).sum()), int(scored.sum()))
         elif output.dim() == 3 and target.dim() == 2 and output.shape[:2] == target.shape:

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 from ..config.schema import LOSSES, MODEL_LOSS
 from ..config.usercode import resolve
-from ..data.batches import LABELS, samples_in
+from ..data.batches import IGNORE, LABELS, samples_in
 from ..errors import HpctrainError
 
 
@@ -107,9 +107,6 @@ def _aligned(labels, how):
     import torch
 
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
-
-
-IGNORE = -100  # a target position not scored (torch's cross_entropy and Hugging Face's default ignore_index)
 
 
 class Calling(NamedTuple):

@@ -58,7 +58,7 @@ def set_up(trainer, local):
     torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
     loss_fn = trainer.loss_fn or build_loss(t.loss)
     model = steps.build_model(trainer.model, train, loss_fn)
-    said = _recipes(cfg, model, val, world)
+    said = _recipes(cfg, model, val)
     base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
     state = _state(cfg, steps, model, base_lr)
     startup.mark("model")
@@ -92,7 +92,7 @@ def set_up(trainer, local):
     return run
 
 
-def _recipes(cfg, model, val, world):
+def _recipes(cfg, model, val):
     """``train.activation_checkpointing`` and ``train.compile`` applied to ``model``; what to say of them."""
     t, said = cfg.train, []
     if t.early_stop_patience and val is None:
