@@ -75,14 +75,14 @@ def test_what_a_model_may_return_as_its_loss():
     x, y = torch.zeros(2, 3), torch.tensor([0, 1])
     loss, logits = torch.tensor(1.5), torch.ones(2, 4)
     assert build_loss("model") is None
-    assert forward(lambda a, b: loss, x, y, None) == (None, loss)
-    assert forward(lambda a, b: (logits, loss), x, y, None) == (logits, loss)
+    assert forward(lambda a, b: loss, (x, y), None)[:2] == (None, loss)
+    assert forward(lambda a, b: (logits, loss), (x, y), None)[:2] == (logits, loss)
     hf = types.SimpleNamespace(loss=loss, logits=logits)
-    assert forward(lambda a, b: hf, x, y, None) == (logits, loss)
+    assert forward(lambda a, b: hf, (x, y), None)[:2] == (logits, loss)
     with pytest.raises(HpctrainError, match=r"returned Tensor of shape \(2, 4\), not its loss"):
-        forward(lambda a, b: logits, x, y, None)
+        forward(lambda a, b: logits, (x, y), None)
     with pytest.raises(HpctrainError, match="returned dict"):
-        forward(lambda a, b: {"loss": loss}, x, y, None)
+        forward(lambda a, b: {"loss": loss}, (x, y), None)
 
 
 def test_a_model_loss_is_refused_where_the_model_is_split():

@@ -129,12 +129,13 @@ def calling(model):
     import inspect
 
     inner = getattr(model, "_orig_mod", model)
-    cls = type(inner)
+    # a module is read once per class; a plain function (a model may be any callable) each time
+    cls = type(inner) if hasattr(inner, "forward") else inner
     if cls not in _CALLING:
         from ..models.huggingface import is_causal_lm, is_transformers_model
 
         try:
-            params = inspect.signature(inner.forward).parameters.values()
+            params = inspect.signature(getattr(inner, "forward", inner)).parameters.values()
         except (TypeError, ValueError):
             params = ()
         kinds = inspect.Parameter
@@ -143,7 +144,7 @@ def calling(model):
         var_keyword = any(p.kind == kinds.VAR_KEYWORD for p in params)
         takes_target = len(positional) >= 2 or any(p.kind == kinds.VAR_POSITIONAL for p in params)
         hf = is_transformers_model(inner)
-        _CALLING[cls] = Calling(cls.__name__, named, var_keyword, takes_target,
+        _CALLING[cls] = Calling(getattr(cls, "__name__", type(inner).__name__), named, var_keyword, takes_target,
                                 keywords="input_ids" in named and "labels" in named, shifts_labels=is_causal_lm(inner),
                                 strict=hf)
     return _CALLING[cls]
