@@ -1,40 +1,20 @@
-"""When ranks exchange what (``comm.mode``): every step, every few steps, or one step late.
+"""When ranks exchange what (``comm.mode``): every step (``sync``, :mod:`.sync_mode`), every few steps
+(``local_sgd``, :mod:`.local_sgd`), or one step late (``stale``: step t's gradient average travels while t+1
+computes and is applied then; step 1, or one after a flush, applies nothing; a checkpoint holds the pending
+average). The trainer drives one object of :func:`build` per run, whose tensors are in every checkpoint::
 
-``sync`` (default): every step applies the average of its gradients (the backend's distributed optimizer).
-
-``local_sgd``: each rank applies its own gradients; at synchronisation points (every ``comm.sync_every``
-steps, and each of the first ``comm.sync_warmup``, averaging gradients as ``sync`` does) one fused collective
-averages the change since the last one of the parameters and floating buffers (batch-norm statistics), and the
-inner optimizer's state (momentum, Adam moments), leaving one model and one optimizer on all ranks. The
-averaged change ``delta = anchor - mean(params)`` goes through an outer optimizer (SlowMo/DiLoCo): ``none``:
-the plain average; ``nesterov``: momentum ``m = mu*m + delta``, ``anchor -= outer_lr*(delta + mu*m)``.
-
-``stale``: step t's gradient average travels while step t+1 computes and is applied then; step 1 (or after a
-flush) applies nothing, and a checkpoint holds the pending average, so a resume continues the same sequence.
-
-The trainer drives one object of :func:`build` per run, whose tensors are part of every checkpoint::
-
-    mode = build(cfg.comm, backend, model)
-    optimizer = mode.wrap_optimizer(inner_optimizer, model, accumulation)
-    mode.start(state)                                  # after resume and broadcast
-    ... backward ...
-    apply = mode.synchronize_gradients(optimizer, step)  # False: nothing to apply this step
-    if apply: mode.step(optimizer, scaler)
-    optimizer.zero_grad()
-    synced = mode.after_step(step)                     # True at a synchronisation point
-    mode.may_save(step, **when)                        # checkpoints only at those points
-    mode.sync_now(step); mode.end(step, stopped)       # epoch end, the end of training
+    mode = build(cfg.comm, backend, model); optimizer = mode.wrap_optimizer(inner, model, accumulation)
+    mode.start(state)                                    # after resume and broadcast
+    if mode.synchronize_gradients(optimizer, step):      # stale: last step's average (none at the first)
+        mode.step(optimizer, scaler)
+    synced = mode.after_step(step)                       # local_sgd: the parameter average every sync_every
+    mode.may_save(step, **when)                          # local_sgd: only at those points, or averaging first
+    mode.align_replicas(step); mode.settle(step, stopped)  # local_sgd: averages; stale settles: applies the pending
 """
-import logging
-
-from ..backends.base import step_optimizer
-from ..runtime.coordination import everywhere
-from ..errors import HpctrainError
 from ..runtime.flat import views
-from ..runtime.replicas import ReplicasDiverged, compare_replicas
-from . import nonfinite
-
-log = logging.getLogger("hpctrain")
+from ..runtime.replicas import ReplicasDiverged  # with check_replicas: importers find both here still
+from .local_sgd import LocalSGD, check_replicas
+from .sync_mode import SelfAveraging, Sync
 
 
 def build(comm_cfg, backend, model):
@@ -47,298 +27,7 @@ def build(comm_cfg, backend, model):
     return Sync(backend, model, comm_cfg)
 
 
-def check_replicas(model, comm, after):
-    """Collective: if replicas differ, every rank raises the same :class:`ReplicasDiverged`, naming them."""
-    found = compare_replicas(model, comm)
-    if found is not None:
-        _, (diverged, reference), first = found
-        raise everywhere(ReplicasDiverged(
-            f"after {after}, ranks {', '.join(map(str, diverged))} hold parameters that differ from rank "
-            f"{reference}'s (first differing: {first})",
-            hint="the averaging gave ranks different results: check that every rank runs the same MPI and "
-                 "Horovod build, or set comm.mode=sync"))
-
-
-def _floating(tensors):
-    return [t for t in tensors if t.is_floating_point()]
-
-
-class Sync:
-    """``comm.mode = "sync"``: the backend's distributed optimizer, as always."""
-
-    name = "sync"
-
-    def __init__(self, backend, model, cfg):
-        self.backend = backend
-        self.model = model
-        self.cfg = cfg
-        self.sent_bytes = 0  # bytes this rank handed to collectives of this mode (0 for sync: the backend's)
-
-    def wrap_optimizer(self, optimizer, model, accumulation):
-        return self.backend.distributed_optimizer(optimizer, model, accumulation)
-
-    def start(self, state):
-        self.optimizer = state.optimizer
-
-    def synchronize_gradients(self, optimizer, step):
-        """After step ``step``'s backward passes (from 1): the gradients to apply; False: none this step."""
-        self.backend.synchronize(optimizer)
-        return True
-
-    def step(self, optimizer, scaler=None):
-        self.backend.step(optimizer, scaler)
-
-    def after_step(self, step):
-        return True
-
-    def may_save(self, step, **when):
-        return True
-
-    def sync_now(self, step):
-        pass
-
-    def end(self, step, stopped):
-        pass
-
-    def checkpoint_tensors(self):
-        return {}
-
-    def restore_tensors(self, tensors):
-        pass
-
-    def describe(self):
-        return "comm.mode sync"
-
-
-class _SelfAveraging(Sync):
-    """The modes that average themselves: the plain optimizer, no hooks that average every step (Horovod's would)."""
-
-    def __init__(self, backend, model, cfg):
-        super().__init__(backend, model, cfg)
-        self._params = [p for p in model.parameters()]
-        self._names = {id(p): n for n, p in model.named_parameters()}
-
-    def wrap_optimizer(self, optimizer, model, accumulation):
-        return optimizer
-
-    def step(self, optimizer, scaler=None):
-        # Not the backend's step: the plain optimizer has no Horovod skip_synchronize.
-        step_optimizer(optimizer, scaler)
-
-    def _grads(self):
-        return [p for p in self._params if p.requires_grad]
-
-    def _grads_to(self, flat, params):
-        for p, chunk in zip(params, views(flat, params)):
-            if p.grad is None:
-                chunk.zero_()
-            else:
-                chunk.copy_(p.grad)
-        return flat
-
-    def _count(self, flat):
-        compress = self.backend.compression == "fp16" and flat.dtype.is_floating_point
-        self.sent_bytes += flat.numel() * (2 if compress else flat.element_size())
-
-
-class OuterOptimizer:
-    """``local_sgd``'s outer step: the anchor, ``tensors`` (parameters named ``names``, then floating buffers)
-    at the last synchronisation, moves by the averaged change (nesterov: via momentum per parameter)."""
-
-    def __init__(self, cfg, tensors, names):
-        import torch
-
-        self.nesterov = cfg.outer_optimizer == "nesterov"
-        self.mu, self.lr = cfg.outer_momentum, cfg.outer_lr
-        self.tensors = tensors
-        self.names = names
-        self.anchor = None
-        self.momentum = ([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in tensors[:len(names)]]
-                         if self.nesterov else [])
-
-    def reset(self):
-        """The model as it is now becomes the anchor."""
-        import torch
-
-        if self.anchor is None:
-            self.anchor = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in self.tensors]
-        with torch.no_grad():
-            for a, t in zip(self.anchor, self.tensors):
-                a.copy_(t)
-
-    def changes_to(self, flat):
-        """Write ``anchor - model`` into ``flat``."""
-        for a, t, chunk in zip(self.anchor, self.tensors, views(flat, self.tensors)):
-            chunk.copy_(a - t)
-
-    def step(self, flat):
-        """Move the anchor by the averaged changes in ``flat``; the model becomes the anchor."""
-        for i, (a, t, d) in enumerate(zip(self.anchor, self.tensors, views(flat, self.tensors))):
-            d = d.to(a.dtype) if d.dtype != a.dtype else d
-            if i < len(self.momentum):  # a parameter, with nesterov
-                m = self.momentum[i]
-                m.mul_(self.mu).add_(d)
-                a.sub_(d.add(m, alpha=self.mu), alpha=self.lr)
-            else:
-                a.sub_(d)
-            t.copy_(a)
-
-    def checkpoint_tensors(self):
-        return {f"outer_momentum/{name}": m for name, m in zip(self.names, self.momentum)}
-
-    def restore_tensors(self, tensors):
-        import torch
-
-        with torch.no_grad():
-            for name, m in zip(self.names, self.momentum):
-                saved = tensors.get(f"outer_momentum/{name}")
-                if saved is None:
-                    m.zero_()
-                else:
-                    m.copy_(saved)
-        if self.anchor is not None:  # a rollback: the loaded model is the new anchor
-            self.reset()
-
-    def describe(self):
-        return f"outer nesterov lr {self.lr:g} momentum {self.mu:g}" if self.nesterov else "plain average"
-
-
-class LocalSGD(_SelfAveraging):
-    """``comm.mode = "local_sgd"``: see the module docstring."""
-
-    name = "local_sgd"
-
-    def __init__(self, backend, model, cfg):
-        super().__init__(backend, model, cfg)
-        self.every = int(cfg.sync_every)
-        self.warmup = int(cfg.sync_warmup)
-        self.check = bool(getattr(cfg, "check_replicas", True))
-        self._buffers = _floating([b for b in model.buffers()])
-        self.outer = OuterOptimizer(cfg, self._params + self._buffers, [self._names[id(p)] for p in self._params])
-        self._synced = True  # the replicas are one model now
-        self.syncs = 0
-        self.local_skips = 0  # local steps whose non-finite gradients this rank did not apply
-
-    def start(self, state):
-        self.optimizer = state.optimizer
-        self.outer.reset()
-        self._synced = True
-
-    def synchronize_gradients(self, optimizer, step):
-        if step <= self.warmup:
-            self._average_gradients_and_buffers()
-        elif not nonfinite.grads_finite(optimizer):
-            # Local gradients: the other ranks may not agree, and the trainer's skip, rollback
-            # or stop must be the same on every rank. This rank's update is left out alone.
-            self.local_skips += 1
-            log.warning("rank %d: non-finite gradients at step %d (comm.mode local_sgd): this rank's update "
-                        "is skipped; the next average brings it back to the others", self.backend.rank, step)
-            self._synced = False
-            return False
-        self._synced = step <= self.warmup
-        return True
-
-    def _average_gradients_and_buffers(self):
-        """A warm-up step, as ``sync``, with the floating buffers averaged too (batch-norm statistics come
-        from each rank's own batch), so the first local period's anchor is the same on every rank."""
-        import torch
-
-        params = self._grads()
-        with torch.no_grad():
-            grads = self._average_fused(params, lambda flat: self._grads_to(flat, params), self._buffers)
-            for p, chunk in zip(params, views(grads, params)):
-                p.grad = chunk.to(p.dtype) if p.dtype != grads.dtype else chunk
-
-    def _average_fused(self, head, fill, tail):
-        """One collective averages a flat buffer: ``fill``'s values for the tensors ``head`` (returned,
-        averaged), then the tensors ``tail`` (averaged in place). With fp16 compression the head (gradients,
-        changes: small) goes in fp16, the tail apart in fp32 (Adam's squared moments would underflow)."""
-        import torch
-
-        n_head = sum(t.numel() for t in head)
-        flat = torch.empty(n_head + sum(t.numel() for t in tail), dtype=torch.float32, device=head[0].device)
-        front, back = flat[:n_head], flat[n_head:]
-        fill(front)
-        for t, chunk in zip(tail, views(back, tail)):
-            chunk.copy_(t)
-        if self.backend.compression == "fp16" and back.numel():
-            self._count(front)
-            handle = self.backend.start_average(front)
-            self.sent_bytes += back.numel() * back.element_size()
-            self.backend.average(back, compress=False)
-            self.backend.wait_average(handle)
-        else:
-            self._count(flat)
-            self.backend.average(flat)
-        for t, chunk in zip(tail, views(back, tail)):
-            t.copy_(chunk)
-        return front
-
-    def after_step(self, step):
-        """End of step ``step`` (counted from 1): average if it is a synchronisation point."""
-        if step <= self.warmup:
-            self._synced = True
-            if step == self.warmup:
-                # The anchor of the first local period: taken here, not at the next step, whose
-                # forward pass already changes each rank's batch-norm statistics its own way.
-                self.outer.reset()
-            return True
-        if step % self.every == 0:
-            self._average(f"the parameter average of step {step}")
-            return True
-        return False
-
-    def sync_now(self, step):
-        """Average now unless this step already ended synchronised (epoch end, stop, end)."""
-        if not self._synced:
-            self._average(f"the forced parameter average of step {step}")
-
-    def may_save(self, step, requested=False, final=False, epoch_end=False, **_):
-        if requested or final or epoch_end:
-            self.sync_now(step)
-        return self._synced
-
-    def end(self, step, stopped):
-        self.sync_now(step)
-
-    def _optimizer_state(self):
-        state = self.optimizer.state
-        out = []
-        for p in self._params:
-            for key in sorted(state.get(p, {})):
-                value = state[p][key]
-                if hasattr(value, "is_floating_point") and value.is_floating_point():
-                    out.append(value)
-        return out
-
-    def _average(self, after):
-        import torch
-
-        with torch.no_grad():
-            changes = self._average_fused(self.outer.tensors, self.outer.changes_to, self._optimizer_state())
-            self.outer.step(changes)
-        self._synced = True
-        self.syncs += 1
-        if self.check:
-            check_replicas(self.model, self.backend.world.comm, after)
-
-    def checkpoint_tensors(self):
-        if not self._synced:
-            # A checkpoint between synchronisation points would mix replicas.
-            raise everywhere(HpctrainError("internal: a local_sgd checkpoint was asked for between "
-                                           "synchronisation points"))
-        return self.outer.checkpoint_tensors()
-
-    def restore_tensors(self, tensors):
-        self.outer.restore_tensors(tensors)
-        self._synced = True
-
-    def describe(self):
-        warm = f" after {self.warmup} synchronous steps" if self.warmup else ""
-        return f"comm.mode local_sgd: parameters averaged every {self.every} steps{warm}, {self.outer.describe()}"
-
-
-class Stale(_SelfAveraging):
+class Stale(SelfAveraging):
     """``comm.mode = "stale"``: see the module docstring."""
 
     name = "stale"
@@ -395,7 +84,7 @@ class Stale(_SelfAveraging):
             p.grad = chunk.to(p.dtype) if p.dtype != flat.dtype else chunk
         self.applied += 1
 
-    def end(self, step, stopped):
+    def settle(self, step, stopped):
         """The end of training applies the pending average; a stop keeps it (it was saved)."""
         import torch
 

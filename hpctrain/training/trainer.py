@@ -69,13 +69,9 @@ class Trainer:
         elif isinstance(config, dict):
             config = TrainConfig.from_dict(config)
         self.config = config
-        self.model = model
+        self.model, self.world, self.loss_fn = model, world, loss_fn
         self.train_data, self.val_data = train_data, val_data
-        self.world = world
-        self.loss_fn = loss_fn
-        self.checkpoints = checkpoints
-        self.callbacks = list(callbacks)
-        self.stop_requested = stop_requested
+        self.checkpoints, self.callbacks, self.stop_requested = checkpoints, list(callbacks), stop_requested
         self.run = None  # the Run of the current or last fit()
 
     @property
@@ -131,54 +127,6 @@ class Trainer:
         return EPOCH_END
 
 
-def _end_epoch(run):
-    progress = run.state.progress
-    run.state.comm_mode.sync_now(progress.step)  # local_sgd: evaluate and save one model
-    progress.epoch += 1
-    progress.samples_in_epoch = 0
-    if run.val is not None:
-        evaluate(run)
-        _count_evaluation(run)
-    _save(run, epoch_end=True, metrics=run.metrics or None)
-
-
-def _count_evaluation(run):
-    """``train.early_stop_patience``: one more evaluation counted (the same verdict on every rank: the metrics are)."""
-    if run.early_stop is None:
-        return
-    event = run.early_stop.update(run.state.progress, run.metrics)
-    if event is not None:
-        run.stop_early = event
-        best = "none finite" if event["best"] is None else f"best {event['best']:.4g} at step {event['best_step']}"
-        run.log(f"early stop at step {event['step']}: {event['metric']} has not improved for {event['evaluations']} "
-                f"evaluations (train.early_stop_patience = {event['patience']}; {best})")
-        run.tell("on_early_stop", run.state, event)
-
-
-def _finish(run, stopped):
-    """The mean last loss over ranks; unless stopped, a last evaluation and the final save."""
-    with watching("final loss average"):
-        train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
-    with watching("the last average of comm.mode"):
-        run.state.comm_mode.end(run.state.progress.step, stopped)  # one model; stale: nothing left unapplied
-    if not stopped:
-        if run.val is not None and run.evaluated_at != run.state.progress.step:  # ended mid-epoch
-            evaluate(run)
-        _save(run, final=True, metrics=run.metrics or None)
-    return train_loss
-
-
-def _close(run):
-    """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over ranks, and closing
-    checkpoints waits for a background save that a rank failing alone never joins (the job aborts then)."""
-    with watching("monitor end (last gather of timings)"):
-        run.tell("on_end", run.state)
-    if run.checkpoints is not None:
-        with watching("final wait for a background checkpoint save"):
-            run.checkpoints.close()
-    run.steps.close()
-
-
 def _step(run, micro_batches):
     """One step, then its due evaluation and checkpoint, and the callbacks; ROLLED_BACK if it rolled back."""
     t, progress, timer = run.cfg.train, run.state.progress, run.timer
@@ -196,7 +144,7 @@ def _step(run, micro_batches):
     step_metrics = {"loss": run.last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
     fresh = None  # metrics go to the checkpoints only on the step that measured them
     if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
-        run.state.comm_mode.sync_now(progress.step)  # local_sgd: score one model
+        run.state.comm_mode.align_replicas(progress.step)  # one model to score
         fresh = evaluate(run)
         _count_evaluation(run)
     with timer.phase("checkpoint"):
@@ -221,22 +169,44 @@ def _train_step(run, micro_batches):
         bad = None
         if not steps.grads_finite(state, apply):
             bad = steps.first_nonfinite(state)
-        elif apply:  # comm.mode = stale applies nothing at its first step
+        elif apply:  # False: the mode has nothing to apply this step
             if run.cfg.train.clip_grad_norm:
                 steps.clip(state, run.cfg.train.clip_grad_norm)
             steps.apply(state)
         state.optimizer.zero_grad()
     with timer.phase("allreduce_wait"):
-        state.comm_mode.after_step(step)  # local_sgd: the parameter average at its synchronisation points
+        state.comm_mode.after_step(step)
     return total / len(micro_batches), bad
+
+
+def _end_epoch(run):
+    progress = run.state.progress
+    run.state.comm_mode.align_replicas(progress.step)  # one model to evaluate and save
+    progress.epoch += 1
+    progress.samples_in_epoch = 0
+    if run.val is not None:
+        evaluate(run)
+        _count_evaluation(run)
+    _save(run, epoch_end=True, metrics=run.metrics or None)
+
+
+def _count_evaluation(run):
+    """``train.early_stop_patience``: one more evaluation counted (the same verdict on every rank: the metrics are)."""
+    if run.early_stop is None:
+        return
+    event = run.early_stop.update(run.state.progress, run.metrics)
+    if event is not None:
+        run.stop_early = event
+        best = "none finite" if event["best"] is None else f"best {event['best']:.4g} at step {event['best_step']}"
+        run.log(f"early stop at step {event['step']}: {event['metric']} has not improved for {event['evaluations']} "
+                f"evaluations (train.early_stop_patience = {event['patience']}; {best})")
+        run.tell("on_early_stop", run.state, event)
 
 
 def _save(run, **when):
     """Save if ``when`` calls for it (collective); tell the callbacks what was saved."""
-    if run.checkpoints is None:
-        return None
-    if not run.state.comm_mode.may_save(run.state.progress.step, **when):
-        return None  # local_sgd between synchronisation points: a due save waits for the next one
+    if run.checkpoints is None or not run.state.comm_mode.may_save(run.state.progress.step, **when):
+        return None  # may_save False: the mode defers it, the ranks do not hold one model now
     started = time.perf_counter()
     why = "".join(f" ({k.replace('_', ' ')})" for k in ("epoch_end", "final", "requested") if when.get(k))
     with watching(f"checkpoint save at step {run.state.progress.step}{why}"):
@@ -244,3 +214,27 @@ def _save(run, **when):
     if path:
         run.tell("on_checkpoint", run.state, path, time.perf_counter() - started)
     return path
+
+
+def _finish(run, stopped):
+    """The mean last loss over ranks; unless stopped, a last evaluation and the final save."""
+    with watching("final loss average"):
+        train_loss = None if run.last_loss is None else run.backend.allreduce_mean(run.last_loss)
+    with watching("the last average of comm.mode"):
+        run.state.comm_mode.settle(run.state.progress.step, stopped)
+    if not stopped:
+        if run.val is not None and run.evaluated_at != run.state.progress.step:  # ended mid-epoch
+            evaluate(run)
+        _save(run, final=True, metrics=run.metrics or None)
+    return train_loss
+
+
+def _close(run):
+    """Collective teardown, so not on an exception: the monitor's ``on_end`` gathers over ranks, and closing
+    checkpoints waits for a background save that a rank failing alone never joins (the job aborts then)."""
+    with watching("monitor end (last gather of timings)"):
+        run.tell("on_end", run.state)
+    if run.checkpoints is not None:
+        with watching("final wait for a background checkpoint save"):
+            run.checkpoints.close()
+    run.steps.close()
