@@ -249,6 +249,23 @@ class ShardGradients:
         return self.backend.reduce_scatter_mean(flat, self.counts)
 
 
+def _slice_optimizer(optimizer, flat, lo, hi):
+    """``(parts, shards, inner)``: this rank's part ``[lo, hi)`` of each group's range of ``flat`` (maybe empty),
+    one tensor per group to keep its settings (weight decay, lr scale), an optimizer of the same class and settings."""
+    import torch
+
+    groups = optimizer.param_groups
+    sizes = [sum(p.numel() for p in group["params"]) for group in groups]
+    parts = [(min(max(lo, a), hi), max(min(max(lo, a), hi), min(hi, a + n)))
+             for a, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
+    shards = [torch.nn.Parameter(flat[a:b]) for a, b in parts]
+    inner = type(optimizer)([{"params": [s]} for s in shards], lr=groups[0]["lr"])
+    for mine, group in zip(inner.param_groups, groups):  # some group keys are not constructor arguments
+        mine.update({k: v for k, v in group.items() if k != "params"})
+    inner.defaults = dict(optimizer.defaults)
+    return parts, shards, inner
+
+
 class ShardedOptimizer:
     """The optimizer the trainer steps when ``comm.shard`` is not ``"none"``.
 
@@ -284,17 +301,7 @@ class ShardedOptimizer:
                 view.copy_(p)
                 p.data = view
         lo, hi = self.bounds[self.rank]
-        # This rank's part of each group's range of the buffer (empty where the slice misses the group): one
-        # tensor per group, so that each keeps its own settings (weight decay, a learning-rate scale).
-        sizes = [sum(p.numel() for p in group["params"]) for group in groups]
-        self.parts = [(min(max(lo, a), hi), max(min(max(lo, a), hi), min(hi, a + n)))
-                      for a, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
-        self.shards = [torch.nn.Parameter(self.flat[a:b]) for a, b in self.parts]
-        # The same class and settings (some group keys are not constructor arguments).
-        self.optimizer = type(optimizer)([{"params": [s]} for s in self.shards], lr=groups[0]["lr"])
-        for inner, group in zip(self.optimizer.param_groups, groups):
-            inner.update({k: v for k, v in group.items() if k != "params"})
-        self.optimizer.defaults = dict(optimizer.defaults)
+        self.parts, self.shards, self.optimizer = _slice_optimizer(optimizer, self.flat, lo, hi)
         self.group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
         self.grad = None  # this rank's slice of the averaged gradients; each group's shard has a view of it
         self.reduction = resolve_reduction(reduction, self.flat.device)
