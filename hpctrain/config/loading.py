@@ -5,7 +5,8 @@
 """
 from .. import settings
 from ..errors import ConfigError
-from .schema import TrainConfig, field_type, fields_of, parse_literal, section_names, section_of, set_field
+from .schema import TrainConfig, field_type, fields_of, section_names, section_of, set_field
+from .values import parse_literal
 
 
 def apply_override(cfg, text, source="command line"):

@@ -1,7 +1,7 @@
 """The configuration's schema: one dataclass per TOML section ([run], [model], [data], [train], [comm],
-[checkpoint], [monitor], [parallel]), every choice a key takes, and how a value of each field is typed (from
-TOML, or from the text of a ``key=value`` override). Every tuple of choices lives here, and the modules that
-act on a choice import it from here. Unknown sections and keys are errors that list the valid ones.
+[checkpoint], [monitor], [parallel]) and every choice a key takes (a value typed by :mod:`.values`). Every tuple
+of choices lives here; the modules that act on a choice import it from here. Unknown sections and keys are
+errors that list the valid ones.
 
 >>> cfg = TrainConfig()
 >>> cfg.train.batch_size = 64
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ConfigError
+from .values import parse_literal, typed_value  # parse_literal: importers find it here still
 
 # ---------------------------------------------------------------- the choices keys take
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -80,7 +81,6 @@ class CheckpointConfig:
     alignment: int = 0
     io_hints: dict = field(default_factory=dict)
     direct_io: bool = False
-
 
 
 @dataclass
@@ -366,97 +366,7 @@ def set_field(obj, section, key, value, source, from_text=False):
         raise ConfigError(f"{source}: unknown key {section}.{key}; valid keys in [{section}]: {valid}",
                           hint=f"did you mean {section}.{close}?" if close else "remove it")
     kind, optional = field_type(obj, key)
-    setattr(obj, key, _convert(value, kind, optional, f"{section}.{key}", source, from_text))
-
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def _convert(value, kind, optional, name, source, from_text):
-    def bad(expected):
-        return ConfigError(f"{source}: {name} = {value!r} is not {expected}",
-                           hint=f"give {name} {expected}, e.g. {name}={_example(kind)}")
-
-    if kind in (dict, list):
-        return _convert_table(value, kind, name, source, from_text)
-    if from_text:
-        text = value.strip()
-        if optional and text.lower() in ("", "none", "null"):
-            return None
-        if kind is bool:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise bad("a boolean (true or false)")
-        if kind is int:
-            try:
-                return int(text)
-            except ValueError:
-                raise bad("an integer") from None
-        if kind is float:
-            try:
-                return float(text)
-            except ValueError:
-                raise bad("a number") from None
-        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-            text = text[1:-1]
-        return text
-    if value is None and optional:
-        return None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise bad("a boolean (true or false)")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        return float(value)
-    if not isinstance(value, str):
-        raise bad("a string")
-    return value
-
-
-def _example(kind):
-    return {bool: "true", int: "10", float: "0.5", dict: "{width = 64}", list: '["src"]'}.get(kind, "name")
-
-
-def parse_literal(text):
-    """A ``key=value`` override's value for a keyword argument: a TOML literal (``64``, ``0.5``,
-    ``true``, ``"text"``, ``[1, 2]``, ``{a = 1}``); anything that is not one is taken as a string.
-
-    >>> parse_literal("1024"), parse_literal("[1, 2]"), parse_literal("gelu")
-    (1024, [1, 2], 'gelu')
-    """
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text.strip()
-
-
-def _convert_table(value, kind, name, source, from_text):
-    """``dict`` fields (keyword arguments: any TOML values) and ``list`` fields (of strings)."""
-    if from_text:
-        text = value.strip()
-        if kind is list and not text.startswith("["):
-            value = [part.strip() for part in text.split(",") if part.strip()]  # a,b,c
-        else:
-            value = parse_literal(text)
-    if kind is dict and not isinstance(value, dict):
-        raise ConfigError(f"{source}: {name} = {value!r} is not a table of keyword arguments",
-                          hint=f"write it as [{name}] with one key = value per line, or {name} = {{width = 64}}; "
-                               f"one argument from the command line: {name}.width=64")
-    if kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        raise ConfigError(f"{source}: {name} = {value!r} is not a list of strings",
-                          hint=f'e.g. {name} = ["src", "../shared"] (or {name}=src,../shared on the command line)')
-    return dict(value) if kind is dict else list(value)
+    setattr(obj, key, typed_value(value, kind, optional, f"{section}.{key}", source, from_text))
 
 
 def _toml_value(value):
