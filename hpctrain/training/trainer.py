@@ -169,7 +169,7 @@ def _train_step(run, micro_batches):
         bad = None
         if not steps.grads_finite(state, apply):
             bad = steps.first_nonfinite(state)
-        elif apply:  # False: the mode has nothing to apply this step
+        elif apply:  # the mode may have nothing to apply this step
             if run.cfg.train.clip_grad_norm:
                 steps.clip(state, run.cfg.train.clip_grad_norm)
             steps.apply(state)
