@@ -165,20 +165,6 @@ class Watchdog:
         mpi = sys.modules.get("mpi4py.MPI")
         return mpi.COMM_WORLD if mpi is not None else None
 
-    def _record(self, label, seconds):
-        """The hang, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``)."""
-        from ..runtime.world import node_name
-        from ..runtime.coordination import record
-
-        step = label if isinstance(label, int) else None
-        try:
-            comm = self._comm()
-            record("hang", rank=comm.Get_rank() if comm is not None else 0, host=node_name(), status=EXIT_HUNG,
-                   error="Hang", message=f"{'step' if step is not None else label} still running after {seconds:g} s",
-                   step=step, phase="step" if step is not None or label is None else str(label))
-        except Exception:  # noqa: BLE001 - the abort comes first
-            pass
-
     def _expire(self, label, seconds):
         stream = self.stream or sys.stderr
         section = "step" if label is None else (f"step {label}" if isinstance(label, int) else str(label))
@@ -191,9 +177,24 @@ class Watchdog:
             stream.flush()
         except Exception:  # a broken stream must not keep the job alive
             pass
-        self._record(label, seconds)
+        _record_hang(self._comm, label, seconds)
         time.sleep(self.grace)
         comm = self._comm()
         if comm is not None and comm.Get_size() > 1:
             comm.Abort(EXIT_HUNG)
         os._exit(EXIT_HUNG)
+
+
+def _record_hang(get_comm, label, seconds):
+    """The hang, machine-readably, for a supervisor (``HPCTRAIN_FAILURE_FILE``)."""
+    from ..runtime.world import node_name
+    from ..runtime.coordination import record
+
+    step = label if isinstance(label, int) else None
+    try:
+        comm = get_comm()
+        record("hang", rank=comm.Get_rank() if comm is not None else 0, host=node_name(), status=EXIT_HUNG,
+               error="Hang", message=f"{'step' if step is not None else label} still running after {seconds:g} s",
+               step=step, phase="step" if step is not None or label is None else str(label))
+    except Exception:  # noqa: BLE001 - the abort comes first
+        pass
