@@ -24,12 +24,21 @@ The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN
 ``HPCTRAIN_MAX_STALLED_STARTS``, ``HPCTRAIN_MAX_RESTARTS`` and ``HPCTRAIN_LAUNCH_ARGS``
 (``slurm/*.sbatch``); each is described where it is read.
 
-Launcher variables describe the job, not hpctrain, and are read where they are interpreted:
+Other programs' variables that hpctrain only reads, read here too (:func:`mca`, :func:`horovod`,
+:func:`loaded_modules`): ``OMPI_MCA_odls_base_sigkill_timeout`` (``job.launchers``: the user's own grace
+before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
+(``backends.horovod_backend``: process sets added to a running Horovod) and ``LOADEDMODULES``
+(``commands.doctor``: the modules loaded now, against the site installation's).
+
+Launcher variables describe the job, not hpctrain, and are read where they are interpreted, as are the
+defaults hpctrain sets for MPI and Horovod where the user has not:
 
 * :mod:`hpctrain.runtime.world`: ``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_RANK}``, ``PMI_{SIZE,RANK,FD}``,
-  ``PMIX_RANK``, ``MPI_LOCALRANKID`` (launcher, rank, size) and ``OMP_NUM_THREADS`` (torch threads per rank);
+  ``PMIX_RANK``, ``MPI_LOCALRANKID`` (launcher, rank, size), ``OMP_NUM_THREADS`` (torch threads per rank) and
+  ``OMPI_MCA_mpi_yield_when_idle`` (set to 1);
 * :mod:`hpctrain.runtime.slurm`: every ``SLURM_*`` variable and ``SLURMD_NODENAME`` (the job and step ids, a
-  task's rank, the node list, the requeue id inside a job array, the restart count)."""
+  task's rank, the node list, the requeue id inside a job array, the restart count);
+* :mod:`hpctrain.backends.horovod_backend`: ``HOROVOD_CYCLE_TIME`` (set to 0.2 ms)."""
 import os
 
 PREFIX = "HPCTRAIN_"
@@ -51,3 +60,18 @@ def get_bool(name, default=False, environ=None):
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def mca(param, environ=None):
+    """Open MPI's MCA parameter ``param`` as the environment sets it (``OMPI_MCA_<param>``), or None."""
+    return (os.environ if environ is None else environ).get("OMPI_MCA_" + param)
+
+
+def horovod(key, environ=None):
+    """Value of ``HOROVOD_<key>``, or None."""
+    return (os.environ if environ is None else environ).get("HOROVOD_" + key)
+
+
+def loaded_modules(environ=None):
+    """``LOADEDMODULES`` (``a/1:b/2``, set by Lmod and Environment Modules), or None."""
+    return (os.environ if environ is None else environ).get("LOADEDMODULES")

@@ -6,8 +6,9 @@
 * names: no two public classes, functions or constants of the package share a name, but the
   entry-point convention of the command modules (``main``, ``build_parser``);
 * at most 8 modules directly in ``hpctrain/``;
-* ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``,
-  ``horovod`` is imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
+* ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``, other
+  programs' (MPI, Horovod, modules) in ``settings.py`` or where its docstring says; ``horovod`` is
+  imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
 """
 import ast
 import collections
@@ -168,15 +169,25 @@ def test_few_modules_directly_in_the_package():
     assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in hpctrain/: {top}"
 
 
-@pytest.mark.parametrize("variables, home", [(r"HPCTRAIN_[A-Z0-9_]+", "settings.py"),
-                                              (r"SLURMD?_[A-Z0-9_]+", "runtime/slurm.py")])
-def test_environment_variables_are_read_in_one_module(variables, home):
-    """A variable is read by its name: no string that is the whole name of one, elsewhere
-    (messages that name one, ``HPCTRAIN_CKPT_SERIAL=1``, are text; settings.name(key) names one)."""
-    found = [f"{p.relative_to(PACKAGE)}:{node.lineno}" for p in _modules() if str(p.relative_to(PACKAGE)) != home
+OTHER_PROGRAMS = r"(OMPI|PMIX?|MPI|OMP|HOROVOD)_[A-Za-z0-9_]+|LOADEDMODULES"
+# modules that read (or set) other programs' variables themselves, as settings.py's docstring lists them
+INTERPRETED = {"settings.py": ".*", "backends/horovod_backend.py": "HOROVOD_CYCLE_TIME",
+               "runtime/world.py": r"(OMPI_COMM_WORLD|PMIX?)_[A-Z_]+|MPI_LOCALRANKID|OMP_NUM_THREADS|"
+                                   r"OMPI_MCA_mpi_yield_when_idle"}
+
+
+@pytest.mark.parametrize("variables, homes", [(r"HPCTRAIN_[A-Z0-9_]+", {"settings.py": ".*"}),
+                                               (r"SLURMD?_[A-Z0-9_]+", {"runtime/slurm.py": ".*"}),
+                                               (OTHER_PROGRAMS, INTERPRETED)])
+def test_environment_variables_are_read_in_one_module(variables, homes):
+    """A variable is read by its name: no string that is the whole name of one (``"OMPI_MCA_"`` of
+    ``f"OMPI_MCA_{param}"`` is one too) outside ``homes``, but those each home's pattern allows (messages
+    that name one, ``HPCTRAIN_CKPT_SERIAL=1``, are text; settings.name(key) names one)."""
+    found = [f"{rel}:{node.lineno}: {node.value}" for p in _modules() for rel in [str(p.relative_to(PACKAGE))]
              for node in ast.walk(ast.parse(p.read_text()))
-             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(variables, node.value)]
-    assert not found, f"read these variables through hpctrain/{home}: {found}"
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(variables, node.value)
+             and not re.fullmatch(homes.get(rel, "(?!)"), node.value)]
+    assert not found, f"read these variables in {sorted(homes)} (see settings.py's docstring): {found}"
 
 
 def test_horovod_is_imported_by_its_backend_alone():

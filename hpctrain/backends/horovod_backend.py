@@ -1,5 +1,6 @@
 """Horovod backend: ``hvd.DistributedOptimizer`` (ring all-reduce, tensor fusion, overlap of communication
 with the backward pass). The only module of hpctrain that imports horovod."""
+from .. import settings
 from ..errors import BackendUnavailable, ConfigError
 from .base import Backend, allgather_in_place
 
@@ -263,11 +264,9 @@ class HorovodProcessSetBackend(HorovodBackend):
             sets = [hvd.ProcessSet(g) for g in groups]
             _init(hvd, world.comm, process_sets=sets)
         else:
-            import os
-
             from ..runtime.coordination import everywhere
 
-            if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":  # the same on every rank
+            if settings.horovod("DYNAMIC_PROCESS_SETS") != "1":  # the same on every rank
                 raise everywhere(BackendUnavailable(
                     "Horovod is already initialised in this process without the process sets that the "
                     "replicas of a split model average over",

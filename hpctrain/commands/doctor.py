@@ -181,7 +181,7 @@ def _mpirun_version_line(path):
 def check_stack(record):
     """The MPI on PATH and the loaded modules against those ``record`` was built with."""
     path = shutil.which("mpirun")
-    loaded = parse_loaded_modules(os.environ.get("LOADEDMODULES"))
+    loaded = parse_loaded_modules(settings.loaded_modules())
     problems = stack_problems(record, path, _mpirun_version_line(path) if path else None, loaded)
     if not problems:
         return Check("stack", True, f"MPI and modules as at install time ({record.mpi_version_line}, {path})")

@@ -38,7 +38,7 @@ class Mpirun:
         if hosts:
             cmd += ["--host", ",".join(f"{h}:{k}" for h, k in hosts.items())]
         cmd += ["-x", settings.name("FAILURE_FILE")]
-        if f"OMPI_MCA_{SIGKILL_TIMEOUT}" not in os.environ and SIGKILL_TIMEOUT not in self.extra:
+        if settings.mca(SIGKILL_TIMEOUT) is None and SIGKILL_TIMEOUT not in self.extra:
             cmd += ["--mca", SIGKILL_TIMEOUT, "0"]
         return cmd + self.extra + list(rank_cmd)
 
