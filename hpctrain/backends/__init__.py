@@ -1,7 +1,7 @@
-"""Communication backends: the one place where one is chosen. ``horovod`` (default): Horovod's
-``DistributedOptimizer`` (ring all-reduce with tensor fusion, overlapping the backward pass). ``mpi``: plain
-mpi4py all-reduce of fused gradient buffers, for machines without Horovod. Both implement
-:class:`hpctrain.backends.base.Backend`.
+"""Communication backends: the one place where one is chosen. ``horovod`` (default, :mod:`.horovod_backend`):
+Horovod's ``DistributedOptimizer`` (ring all-reduce with tensor fusion, overlapping the backward pass). ``mpi``
+(:mod:`.mpi_backend`): plain mpi4py all-reduce of fused gradient buffers, for machines without Horovod, its
+gradients compressed on the wire by :mod:`.compression`. Both implement :class:`hpctrain.backends.base.Backend`.
 
 >>> backend = get_backend("mpi", world, compression="fp16")     # doctest: +SKIP
 """

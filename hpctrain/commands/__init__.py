@@ -1,2 +1,2 @@
 """The ``hpctrain`` subcommands, one module each with ``main(argv) -> int``: ``train``, ``launch``,
-``ckpt``, ``report``, ``doctor`` (the table is :mod:`hpctrain.cli`)."""
+``ckpt``, ``report``, ``doctor``, ``examples`` (the table is :mod:`hpctrain.cli`)."""

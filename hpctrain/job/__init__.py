@@ -1,2 +1,13 @@
-"""Job control: the run directory and its lock (one job per run), Slurm's warning signals
-and requeue (``preemption``), and hang detection (``watchdog``)."""
+"""Job control: a run on the cluster, from its run directory to its relaunch.
+
+* :mod:`.rundir`: the run directory, and the names of its files;
+* :mod:`.runlock`: one job per run (and checkpoint) directory: the lock file, its owner, its takeover;
+* :mod:`.preemption`: Slurm's warning signal becomes a checkpoint and exit status 3; its command
+  ``python -m hpctrain.job.preemption requeue`` requeues the job (``slurm/preemptible.sbatch`` runs it);
+* :mod:`.watchdog`: hang detection: a step or collective phase that runs far too long aborts the job;
+* :mod:`.launchers`: the ``mpirun`` and ``srun`` command lines of ``hpctrain launch``, and one launch run;
+* :mod:`.diagnosis`: what failed in a launch (the ranks' records, the launcher's output), and if a relaunch helps;
+* :mod:`.relaunch`: ``hpctrain launch``'s supervision: launch, read what failed, relaunch or stop;
+* :mod:`.standby`: ``python -m hpctrain.job.standby``, a supervisor on a second node that takes the job over
+  when Slurm loses its first node (``slurm/resilient.sbatch`` starts it).
+"""

@@ -6,6 +6,7 @@
   :mod:`hpctrain.parallel.tensor`) in a stack of layers (:mod:`.stack`), a part per pipeline stage.
 * ``factory = "mypkg.models:build"`` with ``[model.kwargs]``: your own ``nn.Module``
   (:mod:`hpctrain.config.usercode`); or pass the module to :class:`hpctrain.Trainer` from a script.
+* Hugging Face ``transformers`` models, trained as they are (:mod:`.huggingface`).
 """
 from ..config.usercode import call
 from ..errors import ConfigError
