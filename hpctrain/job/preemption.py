@@ -120,7 +120,9 @@ def main(argv=None):
     """``python -m hpctrain.job.preemption requeue``: used by slurm/preemptible.sbatch."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv != ["requeue"]:
-        print("usage: python -m hpctrain.job.preemption requeue", file=sys.stderr)
+        print("usage: python -m hpctrain.job.preemption requeue\n"
+              "requeue this Slurm job (scontrol requeue), as slurm/preemptible.sbatch does after exit status 3",
+              file=sys.stderr)
         return 2
     try:
         requeued = requeue_if_possible()

@@ -37,7 +37,8 @@ def _say(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog=_NAME, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.job.standby", description=__doc__.split("\n\n")[0],
+                                     epilog="slurm/resilient.sbatch starts it, as a one-task step on another node")
     parser.add_argument("--batch-host", required=True, help="the node the job script runs on")
     parser.add_argument("--tasks", type=int, required=True, help="the job's tasks (SLURM_NTASKS of the job script)")
     parser.add_argument("--tasks-per-node", required=True, help="SLURM_TASKS_PER_NODE of the job script")
