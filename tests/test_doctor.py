@@ -38,6 +38,7 @@ def test_doctor_json_reports_the_parallel_stack():
     for key in ("python", "torch", "numpy", "mpi4py", "mpi_library", "h5py", "hdf5", "horovod"):
         assert doc["versions"][key], key
     assert "Open MPI" in doc["versions"]["mpi_library"]
+    assert "\0" not in doc["versions"]["mpi_library"]  # Open MPI's version string ends in one
 
 
 def test_doctor_names_the_checkpoint_file_system_and_what_a_save_uses(tmp_path):
@@ -45,6 +46,7 @@ def test_doctor_names_the_checkpoint_file_system_and_what_a_save_uses(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if "ckpt I/O" in x)
     assert "/dev/shm: tmpfs at /dev/shm" in line and "aligned on 1 MiB" in line and "hints: none" in line
+    assert "\0" not in proc.stdout and "[ok  ] mpi4py" in proc.stdout
     # Hints, as a user sets them for a save, and which of them MPI-IO kept for a file it opened there (in a
     # process of its own: MPI is not started in the test process).
     code = ("import sys; from hpctrain.checkpoint.iosettings import io_settings_for; "
@@ -54,6 +56,24 @@ def test_doctor_names_the_checkpoint_file_system_and_what_a_save_uses(tmp_path):
     kept = subprocess.run([PY, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert kept.stdout.strip() == "romio_cb_write=enable, striping_unit=4194304", kept.stdout + kept.stderr
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_doctor_says_a_checkpoint_directory_is_missing_and_whether_it_can_be_made(tmp_path):
+    (tmp_path / "file").write_text("")
+    missing, under_file = tmp_path / "no" / "such" / "dir", tmp_path / "file" / "dir"
+    for path, said, fix in [(missing, f"{missing} does not exist; it can be created ({tmp_path}, its nearest "
+                                      f"existing parent, is writable)", f"mkdir -p {missing}"),
+                            (under_file, f"{tmp_path / 'file'} is a file, not a directory", "the path of a directory")]:
+        proc = run_doctor("--checkpoint-dir", str(path))
+        lines = proc.stdout.splitlines()
+        i = next(i for i, x in enumerate(lines) if "ckpt I/O" in x)
+        assert lines[i].startswith("[warn] ckpt I/O") and said in lines[i], proc.stdout
+        assert lines[i + 1].startswith("       fix: ") and fix in lines[i + 1], proc.stdout
+        assert not path.exists()
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "ro").mkdir(mode=0o555)
+        proc = run_doctor("--checkpoint-dir", str(tmp_path / "ro" / "x"))
+        assert "does not exist and cannot be created" in proc.stdout, proc.stdout
 
 
 @pytest.mark.mpi

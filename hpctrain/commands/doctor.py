@@ -89,7 +89,8 @@ def check_mpi():
         return Check("mpi4py", False, f"{v}, MPI failed to load: {exc}",
                      "load the MPI module mpi4py was built against (module load openmpi), or rebuild: "
                      "pip install --force-reinstall --no-binary=mpi4py mpi4py"), None, ""
-    lib = MPI.Get_library_version().strip().splitlines()[0]
+    # Open MPI's version string ends in a NUL byte, which would reach the terminal and the JSON.
+    lib = (MPI.Get_library_version().replace("\0", "").strip().splitlines() or [""])[0].rstrip()
     return Check("mpi4py", True, f"{v}, {lib}"), MPI.COMM_WORLD, lib
 
 
@@ -199,6 +200,9 @@ def check_checkpoint_io(directory, mpi_ok):
     from ..checkpoint.iosettings import io_settings_for
 
     directory = os.path.abspath(directory)
+    problem = _unwritable(directory)
+    if problem:
+        return Check("ckpt I/O", False, problem[0], problem[1], required=False)
     io = io_settings_for(directory)
     detail = f"{directory}: {io.describe().split(': ', 1)[1]}"
     if mpi_ok and io.hints and os.path.isdir(directory) and os.access(directory, os.W_OK):
@@ -206,6 +210,24 @@ def check_checkpoint_io(directory, mpi_ok):
     known = bool(io.filesystem)
     return Check("ckpt I/O", known, detail, "run `hpctrain doctor --checkpoint-dir DIR` on a compute node, where "
                  "/proc/self/mountinfo names the file system", required=False)
+
+
+def _unwritable(directory):
+    """(what is wrong, the fix) when checkpoints cannot be written to ``directory`` as it is now, else None."""
+    parent = directory
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory", "pass --checkpoint-dir the path of a directory"
+    writable = os.access(parent, os.W_OK | os.X_OK)
+    if parent == directory:
+        return None if writable else (f"{directory} is not writable by this user",
+                                      "pass --checkpoint-dir a directory you can write to, or change its permissions")
+    if writable:
+        return (f"{directory} does not exist; it can be created ({parent}, its nearest existing parent, is "
+                f"writable)", f"mkdir -p {directory} (a save creates it too), or pass an existing directory")
+    return (f"{directory} does not exist and cannot be created: {parent}, its nearest existing parent, is not "
+            "writable", f"pass --checkpoint-dir a directory you can write to, or have {directory} created")
 
 
 def _hints_kept(directory, io):
