@@ -161,29 +161,51 @@ def model_state_dict(path):
 
 def cmd_export(args):
     out, how = args.to, args.format or _format_of(args.to)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        print(f"hpctrain ckpt: error: cannot write {out}: the directory {parent} does not exist\n"
-              f"HINT: create it first (mkdir -p {parent}), or give --to a path in an existing directory",
-              file=sys.stderr)
-        return 2
+    problem = _unwritable_output(out, how)
+    if problem:  # said before the checkpoint is read
+        return _export_error(out, problem)
     sd = model_state_dict(args.file)
-    if how == "hf":
-        return _export_pretrained(args.file, sd, out)
-    if how == "safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            print("hpctrain ckpt: exporting .safetensors needs the safetensors package "
-                  "(pip install safetensors); use a .pt path for a torch state dict", file=sys.stderr)
-            return 2
-        save_file({k: v.contiguous() for k, v in sd.items()}, out, metadata={"source": os.path.basename(args.file)})
-    else:
-        import torch
+    try:
+        if how == "hf":
+            return _export_pretrained(args.file, sd, out)
+        if how == "safetensors":
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                print("hpctrain ckpt: exporting .safetensors needs the safetensors package "
+                      "(pip install safetensors); use a .pt path for a torch state dict", file=sys.stderr)
+                return 2
+            save_file({k: v.contiguous() for k, v in sd.items()}, out, metadata={"source": os.path.basename(args.file)})
+        else:
+            import torch
 
-        torch.save(sd, out)
+            torch.save(sd, out)
+    except OSError as exc:  # a full disk or quota, or a path changed since the checks
+        return _export_error(out, f"{exc.strerror or exc}; give --to a path you can write to, with room for it")
     print(f"wrote {len(sd)} tensors to {out}")
     return 0
+
+
+def _unwritable_output(out, how):
+    """Why ``out`` cannot be written as format ``how`` and what to do (one line), or None."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.exists(parent):
+        return (f"the directory {parent} does not exist; create it first (mkdir -p {parent}), or give --to a path "
+                "in an existing directory")
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory; give --to a path in a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {parent} is not writable by this user; give --to a path in one you can write to"
+    if how == "hf" and os.path.isfile(out):
+        return "it is a file, and --format hf writes a directory; give --to a new or existing directory"
+    if how != "hf" and os.path.isdir(out):
+        return "it is a directory; give --to a file path (.pt, .safetensors), or --format hf to write a directory"
+    return None
+
+
+def _export_error(out, text):
+    print(f"hpctrain ckpt: error: cannot write {out}: {text}", file=sys.stderr)
+    return 2
 
 
 EXPORT_FORMATS = ("torch", "safetensors", "hf")
