@@ -101,7 +101,7 @@ def main(argv=None):
            "step_s": [round(s, 5) for s in timed], "first_step_s": steps[0],
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "cost_per_sample_s": COST if args.variant in ("data-inline", "data-workers") else 0.0,
-           "load_avg": list(os.getloadavg())}
+           "cores": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg())}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps({k: v for k, v in doc.items() if k != "step_s"}))
@@ -111,8 +111,9 @@ def section(docs):
     """The report's lines: each variant's median step time over the rounds (min-max), and the ratios."""
     by = {}
     for name, doc in docs.items():
-        if name.startswith("recipes-"):
-            by.setdefault(doc["variant"], []).append(doc)
+        if name.startswith("recipes-"):  # a data variant launched unbound is a row of its own
+            cores = doc.get("cores", 1)
+            by.setdefault(doc["variant"] + (f", {cores} cores" if cores > 1 else ""), []).append(doc)
     if not by:
         return []
 
@@ -130,12 +131,17 @@ def section(docs):
         return (f"| {variant} | {statistics.median(med):.1f} ({min(med):.1f}-{max(med):.1f}) | {ratio} | {rss:.0f} | "
                 f"{statistics.median(r['first_step_s'] for r in runs):.2f} |")
 
+    def data_rows(suffix):
+        return [row("data-memory" + suffix), row("data-inline" + suffix, "data-memory" + suffix),
+                row("data-workers" + suffix, "data-memory" + suffix)]
+
     loads = sorted({round(r["load_avg"][0], 2) for runs in by.values() for r in runs})
     return ["", "## Data workers, compile, activation checkpointing (benchmarks/recipes.py)", "",
             f"Median step time over {max(len(v) for v in by.values())} rounds (min-max of the rounds' medians); "
             f"1-minute load average at the launches' ends: {loads[0]}-{loads[-1]}.", "",
             "| variant | step ms | ratio | peak RSS MiB | first step s |", "|---|---|---|---|---|",
-            row("data-memory"), row("data-inline", "data-memory"), row("data-workers", "data-memory"),
+            *data_rows(""),
+            *[r for c in sorted({k.split(", ", 1)[1] for k in by if ", " in k}) for r in data_rows(f", {c}")],
             row("gpt-eager"), row("gpt-compile", "gpt-eager"), row("gpt-recompute", "gpt-eager")]
 
 

@@ -124,6 +124,11 @@ def plan(quick, out):
             name = f"recipes-{variant}-r{r}"
             launches.append((name, 1, ["recipes.py", "--variant", variant, "--steps", "8" if quick else "30"]
                              + j(name), 300 if quick else 600))
+        # Data workers with cores of their own: mpirun binds one rank to one core, which its workers share.
+        for variant in ("data-memory", "data-inline", "data-workers"):
+            name = f"recipes-{variant}-unbound-r{r}"
+            launches.append((name, 1, ["--bind-to", "none", "recipes.py", "--variant", variant, "--steps",
+                                       "8" if quick else "30"] + j(name), 300 if quick else 600))
     # The language-model example as shipped, to the validation loss its docstring states (the suite trains
     # it for a few steps only).
     name = "example_targets-byte_gpt-2"

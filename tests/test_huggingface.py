@@ -139,6 +139,24 @@ def test_workers_read_what_the_rank_would_have_read_in_its_order():
         reader.close()
 
 
+def test_workers_bound_to_the_rank_s_one_core_are_told_how_to_give_them_cores():
+    """mpirun binds a rank to one core and forked workers inherit it: the first lines say so and what to do."""
+    import os
+
+    reader = PrefetchingReader(as_dataset(Slow()), workers=2, prefetch=3)
+    everywhere = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(everywhere)})  # as under mpirun's binding
+    try:
+        bound = reader.describe()
+    finally:
+        os.sched_setaffinity(0, everywhere)
+    assert bound.startswith("data: 2 worker processes per rank, 3 batches ahead each; they share this rank's 1 core")
+    assert "mpirun --map-by slot:PE=3, srun --cpus-per-task=3) or set data.workers = 0" in bound
+    if len(everywhere) >= 2:  # one worker beside the step, with a core of its own: nothing to advise
+        assert PrefetchingReader(as_dataset(Slow()), workers=1).describe() == \
+            "data: 1 worker process per rank, 2 batches ahead each"
+
+
 def test_an_error_in_a_worker_is_said_in_one_line():
     class Broken(Slow):
         def __getitem__(self, i):

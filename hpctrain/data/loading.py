@@ -21,6 +21,7 @@ import numpy as np
 
 from ..config.usercode import where_raised
 from ..errors import HpctrainError
+from ..runtime.system import usable_cpus
 
 
 class PrefetchingReader:
@@ -37,6 +38,18 @@ class PrefetchingReader:
 
     def __len__(self):
         return len(self.dataset)
+
+    def describe(self):
+        """The run's first lines on the workers; where they share the rank's cores with the step (mpirun binds
+        one rank to one core, and forked workers inherit the binding), what to do about it."""
+        cores, want = usable_cpus(), self.workers + 1
+        line = (f"data: {self.workers} worker process{'es' * (self.workers > 1)} per rank, {self.prefetch} batches "
+                f"ahead each")
+        if cores < want:
+            line += (f"; they share this rank's {cores} core{'s' * (cores > 1)} with the step, so their reads still "
+                     f"slow it: give each rank {want} cores (mpirun --map-by slot:PE={want}, srun --cpus-per-task="
+                     f"{want}) or set data.workers = {max(0, cores - 1)}")
+        return line
 
     def plan(self, micro_batches, epoch=0, position=0):
         """The micro-batches (index arrays) the next reads will ask for, in order; reading ahead starts."""

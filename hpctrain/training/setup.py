@@ -58,7 +58,7 @@ def set_up(trainer, local):
     torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (broadcast anyway)
     loss_fn = trainer.loss_fn or build_loss(t.loss)
     model = steps.build_model(trainer.model, train, loss_fn)
-    said = _recipes(cfg, model, val)
+    said = _recipes(cfg, model, val) + ([train.describe()] if cfg.data.workers else [])
     base_lr = t.lr * (world.size if t.lr_scaling == "linear" else 1)
     state = _state(cfg, steps, model, base_lr)
     startup.mark("model")
