@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import directio
-from hpctrain.checkpoint.directio import BLOCK, open_direct
+from hpctrain.checkpoint.io import directio
+from hpctrain.checkpoint.io.directio import BLOCK, open_direct
 from part_writes import MiB, target, writes  # noqa: F401 (target: a fixture)
 
 

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import mapped
-from hpctrain.checkpoint.mapped import PAGE, open_mapped
+from hpctrain.checkpoint.io import mapped
+from hpctrain.checkpoint.io.mapped import PAGE, open_mapped
 from part_writes import MiB, target, writes  # noqa: F401 (target: a fixture)
 
 

@@ -10,9 +10,9 @@ ranks through parallel HDF5, made durable and pointed to by ``latest`` by rank 0
 The file layout is in ``docs/checkpoint-format.md``; ``hpctrain ckpt`` lists, inspects,
 verifies and exports checkpoints. The modules, lowest first: ``docs/architecture.md``.
 """
-from .format import CheckpointCorrupt, NonFiniteState
+from .content.format import CheckpointCorrupt, NonFiniteState
 from .manager import CheckpointManager
-from .replicated import load_checkpoint, save_checkpoint, verify_checkpoint
+from .planners.replicated import load_checkpoint, save_checkpoint, verify_checkpoint
 
 __all__ = ["CheckpointManager", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "CheckpointCorrupt",
            "NonFiniteState"]

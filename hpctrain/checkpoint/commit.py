@@ -11,11 +11,12 @@ from .. import settings
 from ..errors import CheckpointError
 from ..runtime import fsutil
 from ..runtime.coordination import on_root
-from . import format as fmt
-from . import reader, snapshot, writer
-from .agreement import agree
+from .content import format as fmt
+from .content import snapshot
 from .directory import check_writable, read_latest, scan, write_latest
-from .iosettings import io_of
+from .io import reader, writer
+from .io.agreement import agree
+from .io.iosettings import io_of
 from .policy import select_keep
 
 log = logging.getLogger("hpctrain.checkpoint")

@@ -12,14 +12,15 @@ from .. import settings
 from ..errors import CheckpointError
 from ..runtime.coordination import everywhere, on_root
 from ..runtime.system import usable_cpus
-from . import commit, directory, iosettings
-from . import format as fmt
+from . import commit, directory
 from .background import BackgroundWriter, threads_ok
+from .content import format as fmt
+from .content.plan import check_finite
 from .interval import AutoInterval
-from .local import LocalLevel
-from .plan import check_finite
+from .io import iosettings
+from .local.level import LocalLevel
+from .planners.replicated import ReplicatedPlanner
 from .policy import save_reason
-from .replicated import ReplicatedPlanner
 
 log = logging.getLogger("hpctrain.checkpoint")
 

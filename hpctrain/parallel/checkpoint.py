@@ -17,12 +17,13 @@ import os
 
 import numpy as np
 
-from ..checkpoint import format as fmt
-from ..checkpoint import reader, snapshot, writer
-from ..checkpoint.agreement import agree
 from ..checkpoint.commit import begin, write_into_place
-from ..checkpoint.plan import DatasetPlan, WritePlan
-from ..checkpoint.replicated import check_consistency
+from ..checkpoint.content import format as fmt
+from ..checkpoint.content import snapshot
+from ..checkpoint.content.plan import DatasetPlan, WritePlan
+from ..checkpoint.io import reader, writer
+from ..checkpoint.io.agreement import agree
+from ..checkpoint.planners.replicated import check_consistency
 from ..runtime.coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError
 from ..state import Progress, TrainState

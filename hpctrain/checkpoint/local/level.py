@@ -20,15 +20,17 @@ import time
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..runtime import fsutil
-from ..runtime.coordination import all_or_none, everywhere, on_root
-from . import commit, directory, localfiles, snapshot
-from . import format as fmt
-from .interval import AutoInterval
-from .iosettings import io_settings_for
-from .localtransfer import copy_to_partner, gather_parts
-from .plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+from ...errors import CheckpointError
+from ...runtime import fsutil
+from ...runtime.coordination import all_or_none, everywhere, on_root
+from .. import commit, directory
+from ..content import format as fmt
+from ..content import snapshot
+from ..content.plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+from ..interval import AutoInterval
+from ..io.iosettings import io_settings_for
+from . import files as localfiles
+from .transfer import copy_to_partner, gather_parts
 
 log = logging.getLogger("hpctrain.checkpoint")
 

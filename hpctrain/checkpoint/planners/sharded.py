@@ -11,13 +11,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..runtime.coordination import all_or_none, everywhere, on_root
-from ..errors import CheckpointError
-from . import format as fmt
-from . import reader, snapshot
-from .agreement import agree
-from .iosettings import io_of
-from .plan import DatasetPlan, WritePlan, plan_snapshot
+from ...runtime.coordination import all_or_none, everywhere, on_root
+from ...errors import CheckpointError
+from ..content import format as fmt
+from ..content import snapshot
+from ..content.plan import DatasetPlan, WritePlan, plan_snapshot
+from ..io import reader
+from ..io.agreement import agree
+from ..io.iosettings import io_of
 
 STATE_PREFIX = fmt.OPT_STATE + "/"
 

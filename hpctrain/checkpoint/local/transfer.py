@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from ..runtime import fsutil
-from . import format as fmt
-from . import localfiles
+from ...runtime import fsutil
+from ..content import format as fmt
+from . import files as localfiles
 
 CHUNK_BYTES = 1 << 26  # per MPI message: well under the 2 GiB a count of bytes can say
 _SIZE, _DATA, _META = 7101, 7102, 7103  # message tags

@@ -5,10 +5,10 @@ import logging
 
 import numpy as np
 
-from ..runtime.coordination import everywhere
-from ..runtime.flat import bcast_bytes
-from ..errors import CheckpointError
-from . import format as fmt
+from ...runtime.coordination import everywhere
+from ...runtime.flat import bcast_bytes
+from ...errors import CheckpointError
+from ..content import format as fmt
 from .agreement import agree
 from .directio import open_direct_reader
 

@@ -12,16 +12,16 @@ import threading
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..runtime import fsutil
-from ..runtime.coordination import abort_job, any_rank, on_root
-from ..runtime.world import node_name
-from . import format as fmt
+from ...errors import CheckpointError
+from ...runtime import fsutil
+from ...runtime.coordination import abort_job, any_rank, on_root
+from ...runtime.world import node_name
+from ..content import format as fmt
+from ..content.plan import mark_finite, piece_checksums, refuse_nonfinite
 from .agreement import agree, describe_error, hint_for
 from .directio import open_direct
 from .iosettings import IOSettings
 from .mapped import open_mapped
-from .plan import mark_finite, piece_checksums, refuse_nonfinite
 
 # Lowest HDF5 file format allowing attributes over 64 KiB (large param_groups JSON); any HDF5 >= 1.8 reads it.
 LIBVER = ("v108", "v108")

@@ -7,16 +7,18 @@ theirs: ``hpctrain.parallel.checkpoint.SplitPlanner``); :func:`save_checkpoint`,
 import logging
 import os
 
-from ..errors import CheckpointError
-from ..runtime import allocator
-from ..runtime.coordination import all_or_none, everywhere, on_root
-from ..runtime.replicas import compare_replicas, copy_replica
-from ..runtime.system import usable_cpus
-from . import format as fmt
-from . import reader, sharded, snapshot
-from .commit import begin, io_mode, write_into_place
-from .iosettings import io_of, io_settings_for
-from .plan import copy_own_pieces, plan_snapshot
+from ...errors import CheckpointError
+from ...runtime import allocator
+from ...runtime.coordination import all_or_none, everywhere, on_root
+from ...runtime.replicas import compare_replicas, copy_replica
+from ...runtime.system import usable_cpus
+from ..commit import begin, io_mode, write_into_place
+from ..content import format as fmt
+from ..content import snapshot
+from ..content.plan import copy_own_pieces, plan_snapshot
+from ..io import reader
+from ..io.iosettings import io_of, io_settings_for
+from . import sharded
 
 log = logging.getLogger("hpctrain.checkpoint")
 

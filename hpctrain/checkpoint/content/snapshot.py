@@ -13,8 +13,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from .. import __version__
-from ..errors import CheckpointError
+from ... import __version__
+from ...errors import CheckpointError
 from . import format as fmt
 
 
@@ -189,7 +189,7 @@ def _versions():
 
 def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
     """Attributes of ``/``, made on rank 0 and broadcast: parallel HDF5 needs them identical on all ranks."""
-    from ..runtime.world import launch_info
+    from ...runtime.world import launch_info
 
     info = launch_info()
     now = time.time()
