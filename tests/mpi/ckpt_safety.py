@@ -23,7 +23,7 @@ import ckpt_common as cc
 from ckpt_common import expect_error, flip_byte, fresh_dir, read_latest, root_only, say
 from hpctrain.runtime import fsutil
 from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
-from hpctrain.checkpoint.io import writer
+from hpctrain.checkpoint.io import h5file, writer
 from hpctrain.checkpoint.content import format as fmt
 from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.state import Progress, TrainState
@@ -302,7 +302,7 @@ def one_rank_cannot_extend():
     rank never leaves) the job aborts naming the file; never a silent wait. Runs last: the
     test checks the directory after the job ended."""
     d = fresh_dir("one_rank")
-    writer.FAILED_CLOSE_TIMEOUT = 10.0  # the default 60 s, shortened for the test
+    h5file.FAILED_CLOSE_TIMEOUT = 10.0  # the default 60 s, shortened for the test
     state = cc.make_state(seed=3)
     mgr = CheckpointManager(d, W, cc.config(), None)
     train_and_save(mgr, state, [1])
