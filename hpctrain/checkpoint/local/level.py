@@ -25,7 +25,7 @@ from ...runtime import fsutil
 from ...runtime.coordination import all_or_none, everywhere, on_root
 from .. import commit, directory
 from ..content import format as fmt
-from ..content import snapshot
+from ..content import metadata
 from ..content.plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
 from ..interval import AutoInterval
 from ..io.iosettings import io_settings_for
@@ -93,8 +93,8 @@ class LocalLevel:
         write (no space) warns on rank 0, removes the snapshot and turns the level off; NaN or infinity
         raises :class:`~.format.NonFiniteState` on every rank, as a save does."""
         comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
-        info = on_root(lambda: {"meta": snapshot.root_metadata(size, run_config, None, "local", step, "local", size),
-                                "rng": snapshot.rng_states()}, comm)
+        info = on_root(lambda: {"meta": metadata.root_metadata(size, run_config, None, "local", step, "local", size),
+                                "rng": metadata.rng_states()}, comm)
         plan = planner.plan(state, info, True)
         mark_finite(plan)
         own, where = files.part_path(self.ndir, step, rank), self.world.where()
