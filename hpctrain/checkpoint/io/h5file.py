@@ -15,6 +15,7 @@ from ...runtime.coordination import abort_job
 from ...runtime.world import node_name
 from ..content import format as fmt
 from .agreement import describe_error
+from .iosettings import IOSettings
 
 # Lowest HDF5 file format allowing attributes over 64 KiB (large param_groups JSON); any HDF5 >= 1.8 reads it.
 LIBVER = ("v108", "v108")
@@ -173,11 +174,12 @@ def _find_hdf5_function(name):
     return None
 
 
-def create_serial(path, io):
-    """A new HDF5 file for this process alone (the default POSIX driver), with ``io``'s layout."""
+def create_serial(path, io=None):
+    """A new HDF5 file for this process alone (the default POSIX driver), with ``io``'s layout
+    (:class:`~.iosettings.IOSettings`; None: HDF5's packing)."""
     import h5py
 
-    return h5py.File(path, "w", libver=LIBVER, **io.h5py_kwargs())
+    return h5py.File(path, "w", libver=LIBVER, **(io or IOSettings()).h5py_kwargs())
 
 
 # Files whose collective close failed. HDF5 left in that state crashes the process when it frees the file

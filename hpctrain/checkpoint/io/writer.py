@@ -237,7 +237,7 @@ def write_serial(path, plan, call_bytes=FOREGROUND_CALL_BYTES, io=None):
     mark_finite(plan)
     sums, bad = [], []
     try:
-        with h5file.create_serial(path, io or IOSettings()) as f:
+        with h5file.create_serial(path, io) as f:
             dsets = h5file.create_layout(f, plan)
             for i, (d, dset) in enumerate(zip(plan.datasets, dsets)):
                 runs, ok = piece_checksums(i, d, 0, finite=not plan.finite_checked)
