@@ -84,6 +84,7 @@ def main(argv=None):
     import numpy as np
 
     from hpctrain import Trainer, TrainConfig
+    from hpctrain.runtime.system import usable_cpus
 
     work = tempfile.mkdtemp(prefix="hpctrain-recipes-")
     data = None
@@ -101,7 +102,7 @@ def main(argv=None):
            "step_s": [round(s, 5) for s in timed], "first_step_s": steps[0],
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "cost_per_sample_s": COST if args.variant in ("data-inline", "data-workers") else 0.0,
-           "cores": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg())}
+           "cores": usable_cpus(), "load_avg": list(os.getloadavg())}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps({k: v for k, v in doc.items() if k != "step_s"}))

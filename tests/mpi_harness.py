@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 DEFAULT_TIMEOUT = 180
@@ -34,6 +36,18 @@ POOL_RANKS = (1, 2, 3, 4)
 # it needs them, except the allocator's, which are applied once per process.)
 AT_START = ("PYTHON", "OMPI_", "PMIX_", "HOROVOD_", "OMP_", "MKL_", "LD_", "MALLOC_", "HPCTRAIN_MALLOC",
             "CUDA_")
+
+
+def have_horovod():
+    """Whether Horovod is installed (make setup builds it; a bare venv may lack it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("horovod") is not None
+
+
+
+# A skip marker for tests (or parameters) that run Horovod, where it is not installed.
+needs_horovod = pytest.mark.skipif(not have_horovod(), reason="Horovod is not installed (make setup)")
 
 
 def mpi_env(extra=None):

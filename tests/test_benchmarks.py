@@ -8,16 +8,10 @@ import sys
 
 import pytest
 
-from mpi_harness import ROOT, mpirun
+from mpi_harness import ROOT, mpirun, needs_horovod
 
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
-
-
-def _have_horovod():
-    import importlib.util
-
-    return importlib.util.find_spec("horovod") is not None
 
 
 def run(n, script, *args, timeout=150):
@@ -31,8 +25,7 @@ def read(path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
-    not _have_horovod(), reason="Horovod is not installed (make setup)"))])
+@pytest.mark.parametrize("backend", ["mpi", pytest.param("horovod", marks=needs_horovod)])
 def test_allreduce(tmp_path, backend):
     out = tmp_path / "ar.json"
     run(2, "allreduce.py", "--backend", backend, "--sizes", "65536", "1048576", "--tensors", "4",

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from checkpoint_files import latest_step
 from mpi_harness import ROOT, mpirun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -24,14 +25,6 @@ def run(directory, env=None):
     return mpirun(2, args, timeout=RUN_TIMEOUT, env=env, fresh=True)
 
 
-def latest(directory):
-    pointer = directory / "checkpoints" / "latest"
-    if not pointer.exists():
-        return 0, None
-    name = pointer.read_text().strip()
-    return int(re.search(r"ckpt-(\d+)\.h5", name).group(1)), pointer.parent / name
-
-
 def test_sigkill_during_async_saves_then_resume_bitwise(tmp_path):
     from hpctrain.checkpoint import verify_checkpoint
 
@@ -46,12 +39,12 @@ def test_sigkill_during_async_saves_then_resume_bitwise(tmp_path):
     plan += [(0, "replace", 1), (0, "replace", 2)]
     parts, table = tmp_path / "parts", []
     for rank, point, n in plan:
-        before, _ = latest(parts)
+        before, _ = latest_step(parts)
         result = run(parts, env={"FAIL_RANK": str(rank), "FAIL_AT": f"{point}:{n}", "FAIL_ACTION": "kill"})
         assert result.returncode != 0, f"not killed at {point}:{n}\n{result.output[-3000:]}"
         said = f"fail_inject: rank {rank}: kill at {point} call {n} (thread {WRITER_THREAD})"
         assert said in result.stderr, result.stderr[-3000:]
-        step, path = latest(parts)
+        step, path = latest_step(parts)
         assert step >= before, (before, step)
         if path is not None:
             assert not verify_checkpoint(str(path)), f"`latest` does not verify after {point}:{n}"

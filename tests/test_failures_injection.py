@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkpoint_files import tensors
+from checkpoint_files import latest_step, tensors
 from mpi_harness import command, mpirun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -49,15 +49,6 @@ def checkpoint_steps():
     return sorted({s for s in range(EVERY, STEPS + 1, EVERY)} | {s for s in range(EPOCH_STEPS, STEPS + 1, EPOCH_STEPS)})
 
 
-def latest(run_dir):
-    """(step, path) that ``latest`` names, or (0, None) before the first checkpoint."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
-        return 0, None
-    name = pointer.read_text().strip()
-    return int(re.search(r"ckpt-(\d+)\.h5", name).group(1)), pointer.parent / name
-
-
 def verify(path):
     proc = command("ckpt", "verify", path)
     return proc.returncode == 0 and ": ok" in proc.stdout, proc.stdout + proc.stderr
@@ -87,7 +78,7 @@ def reference(tmp_path_factory, digits):
               # the ranks' lines may run together in mpirun's output: match the fields only
               for r, rest in re.findall(r"fail_inject: rank (\d+) calls ((?:[a-z0-9]+=\d+ ?)+)", result.stderr)}
     assert sorted(counts) == [0, 1], result.stderr[-2000:]
-    step, path = latest(run_dir)
+    step, path = latest_step(run_dir)
     assert step == STEPS
     saves = counts[0]["replace"] // 2  # rank 0 renames each checkpoint, then `latest`
     assert saves == len(checkpoint_steps()), counts
@@ -125,7 +116,7 @@ def test_kill_one_rank_repeatedly_then_resume(tmp_path, digits, reference, scena
         assert f"fail_inject: rank {rank}: kill at {point} call {n}" in result.stderr
         # every rank resumed from what `latest` named when the run started
         assert resumed == {0: before, 1: before}, (resumed, before, result.output[-3000:])
-        step, path = latest(run_dir)
+        step, path = latest_step(run_dir)
         if point == "backward":
             # killed inside step `where`: every save before it was complete
             assert step == max([0] + [s for s in checkpoint_steps() if s < where])
@@ -144,7 +135,7 @@ def test_kill_one_rank_repeatedly_then_resume(tmp_path, digits, reference, scena
     result.check()
     last_before = trials[-1]["resumable_after_kill"]
     assert resumed == {0: last_before, 1: last_before}
-    step, path = latest(run_dir)
+    step, path = latest_step(run_dir)
     assert step == STEPS and verify(path)[0]
     got, want = tensors(path), tensors(reference["path"])
     assert sorted(got) == sorted(want)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint_files import tensors
+from checkpoint_files import latest, tensors
 from mpi_harness import ROOT, command, hpctrain, mpirun
 
 transformers = pytest.importorskip("transformers", reason="make setup installs transformers (hpctrain[hf])")
@@ -45,11 +45,6 @@ def token_args(tokens, run_dir, *more):
 def done(output):
     step, val = VAL.search(output).groups()
     return int(step), float(val)
-
-
-def latest(run_dir):
-    directory = run_dir / "checkpoints"
-    return directory / (directory / "latest").read_text().strip()
 
 
 def hf_loss(model_dir, tokens, block=BLOCK):

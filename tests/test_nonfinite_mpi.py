@@ -11,20 +11,11 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint.content.format import checkpoint_name
-from mpi_harness import hpctrain, mpirun
+from mpi_harness import hpctrain, mpirun, needs_horovod
 
 pytestmark = pytest.mark.mpi
 
 SCRIPT = "tests/mpi/nonfinite_train.py"
-
-
-def _have_horovod():
-    import importlib.util
-
-    return importlib.util.find_spec("horovod") is not None
-
-
-needs_horovod = pytest.mark.skipif(not _have_horovod(), reason="Horovod is not installed (make setup)")
 
 
 def launch(bad, *overrides, checkpoints=False):

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpi_harness import ROOT, mpirun
+from mpi_harness import ROOT, have_horovod, mpirun
 
 pytestmark = [pytest.mark.mpi]
 
@@ -21,16 +21,10 @@ TIMEOUT = 240
 ADAMW = ["train.optimizer=adamw", "train.lr=0.01", "train.weight_decay=0.05"]
 
 
-def _have_horovod():
-    import importlib.util
-
-    return importlib.util.find_spec("horovod") is not None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod", "mpi"])
 def test_sharded_equals_replicated_on_4_ranks(tmp_path, backend):
-    if backend == "horovod" and not _have_horovod():
+    if backend == "horovod" and not have_horovod():
         pytest.skip("Horovod is not installed (make setup)")
     result = mpirun(4, [SCRIPTS / "sharding_equivalence.py", tmp_path, backend], timeout=TIMEOUT).check()
     same = re.findall(r"^SAME (.+) max\|diff\|", result.stdout, re.M)
@@ -219,7 +213,7 @@ def test_nonfinite_verdict_is_shared_by_every_slice_and_rollback_reloads_the_sli
 
 @pytest.mark.parametrize("backend", ["horovod", "mpi"])
 def test_nonfinite_in_one_slice_only_is_skipped_by_every_rank(tmp_path, backend):
-    if backend == "horovod" and not _have_horovod():
+    if backend == "horovod" and not have_horovod():
         pytest.skip("Horovod is not installed (make setup)")
     result = mpirun(2, [SCRIPTS / "sharding_nonfinite.py", tmp_path, "comm.shard=optimizer",
                         f"comm.backend={backend}"], timeout=TIMEOUT)
@@ -269,7 +263,7 @@ def test_example_trains_sharded_and_resumes_on_other_rank_counts(tmp_path):
 
 @pytest.mark.parametrize("backend", ["horovod", "mpi"])
 def test_flat_collectives_on_uneven_parts_including_an_empty_one(backend):
-    if backend == "horovod" and not _have_horovod():
+    if backend == "horovod" and not have_horovod():
         pytest.skip("Horovod is not installed (make setup)")
     result = mpirun(3, [SCRIPTS / "flat_collectives.py", backend], timeout=120).check()
     assert f"FLAT OK {backend}" in result.stdout

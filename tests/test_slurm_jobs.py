@@ -5,12 +5,11 @@ itself, resumes and ends with the same parameters, bit for bit, as an uninterrup
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from checkpoint_files import tensors
+from checkpoint_files import latest, tensors
 from mpi_harness import PYTHON, ROOT
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -39,11 +38,6 @@ def output_of(tmp_path, job):
     return path.read_text()
 
 
-def latest_checkpoint(run_dir):
-    directory = Path(run_dir) / "checkpoints"
-    return directory / (directory / "latest").read_text().strip()
-
-
 def ckpt_verify(path):
     return subprocess.run([PYTHON, "-m", "hpctrain", "ckpt", "verify", str(path)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
@@ -64,7 +58,7 @@ def test_train_job_runs_to_completion(slurm_cluster, job_env, tmp_path, digits, 
     run_dir = tmp_path / "runs" / f"{record['JobName']}-{job}"
     assert f"run directory: {run_dir}" in out
     assert (run_dir / "config.toml").exists()
-    final = latest_checkpoint(run_dir)
+    final = latest(run_dir)
     assert final.name == "ckpt-00000030.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0 and "ok" in check.stdout, check.stdout + check.stderr
@@ -81,7 +75,7 @@ def test_sweep_array_trains_one_run_per_learning_rate(slurm_cluster, job_env, tm
     for lr in ("0.1", "0.05", "0.01"):
         run_dir = tmp_path / "runs" / f"hpctrain-sweep-{job}" / f"lr-{lr}"
         assert f"lr = {lr}\n" in (run_dir / "config.toml").read_text()
-        assert latest_checkpoint(run_dir).name == "ckpt-00000020.h5"
+        assert latest(run_dir).name == "ckpt-00000020.h5"
 
 
 def test_sweep_with_too_few_values_fails_clearly(slurm_cluster, job_env, tmp_path, digits):
@@ -136,7 +130,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(slurm_c
     assert "step 10/" not in second_start and f"step {stop // 10 * 10 + 10}/" in second_start  # resumed
 
     run_dir = tmp_path / "runs" / f"hpctrain-preemptible-{job}"
-    final, expected = latest_checkpoint(run_dir), latest_checkpoint(reference_dir)
+    final, expected = latest(run_dir), latest(reference_dir)
     assert final.name == expected.name == f"ckpt-{LONG_STEPS:08d}.h5"
     got, want = tensors(final), tensors(expected)
     assert sorted(got) == sorted(want) and len(got) >= 4

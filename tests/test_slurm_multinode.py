@@ -24,9 +24,9 @@ import h5py
 import numpy as np
 import pytest
 
-from checkpoint_files import tensors
+from checkpoint_files import latest, tensors
 from mpi_harness import PYTHON, ROOT
-from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of, wait_for_step
+from test_slurm_jobs import ckpt_verify, output_of, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
@@ -78,7 +78,7 @@ def test_checkpoint_from_two_nodes_resumes_on_one(slurm_multinode, tmp_path, dig
     srun_train(slurm_multinode, 2, 4, train_args(moved, digits, *common, "train.max_steps=6"))
     (start,) = records(moved, "start")
     assert start["hosts"] == ["n1", "n1", "n2", "n2"], start  # the run directory names every rank's node
-    with h5py.File(latest_checkpoint(moved), "r") as f:
+    with h5py.File(latest(moved), "r") as f:
         assert f.attrs["slurm_nodelist"] == "n[1-2]", dict(f.attrs)
         assert int(f.attrs["nranks"]) == 4 and f.attrs["hostname"] == "n1", dict(f.attrs)
     second = srun_train(slurm_multinode, 1, 2, train_args(moved, digits, *common, "train.max_steps=12",
@@ -86,8 +86,8 @@ def test_checkpoint_from_two_nodes_resumes_on_one(slurm_multinode, tmp_path, dig
     assert "resumed from" in second.stdout + second.stderr, second.stderr[-3000:]
     assert [r["hosts"] for r in records(moved, "start")][-1] in (["n1", "n1"], ["n2", "n2"], ["n3", "n3"])
     srun_train(slurm_multinode, 2, 4, train_args(still, digits, *common, "train.max_steps=12"))
-    got, want = tensors(latest_checkpoint(moved)), tensors(latest_checkpoint(still))
-    assert latest_checkpoint(moved).name == latest_checkpoint(still).name == "ckpt-00000012.h5"
+    got, want = tensors(latest(moved)), tensors(latest(still))
+    assert latest(moved).name == latest(still).name == "ckpt-00000012.h5"
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5, err_msg=name)
@@ -136,7 +136,7 @@ def assert_finished_without(cluster, tmp_path, job, steps, node):
     assert (restart["ranks_before"], restart["ranks_after"]) == (3, 2), restart
     last_start = records(run_dir, "start")[-1]
     assert sorted(last_start["hosts"]) == sorted(set(cluster.node_names()) - {node}), last_start
-    final = latest_checkpoint(run_dir)
+    final = latest(run_dir)
     assert final.name == f"ckpt-{steps:08d}.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -213,7 +213,7 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     assert end["status"] == 0 and end["by"] == "standby" and end["stood_still_s"] > 0, end
     last_start = records(run_dir, "start")[-1]
     assert sorted(last_start["hosts"]) == ["n2", "n3"], last_start
-    final = latest_checkpoint(run_dir)
+    final = latest(run_dir)
     assert final.name == f"ckpt-{steps:08d}.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from mpi_harness import PYTHON, ROOT
-from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of, wait_for_step
+from checkpoint_files import latest
+from test_slurm_jobs import ckpt_verify, output_of, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -54,7 +55,7 @@ def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path
     assert "(start 2)" not in out and "requeued" not in out
 
     run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
-    final = latest_checkpoint(run_dir)
+    final = latest(run_dir)
     assert final.name == f"ckpt-{STEPS:08d}.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -79,5 +80,5 @@ def test_warning_signal_checkpoints_and_requeues_through_the_supervisor(slurm_cl
     assert "exit status 3" in first and f"requeueing Slurm job {job}" in first, out
     assert "relaunching" not in first, out  # a requested stop is passed on, not relaunched
     assert f"resumed from" in second and f"done at step {steps}" in second, out
-    assert latest_checkpoint(tmp_path / "runs" / f"hpctrain-resilient-{job}").name == f"ckpt-{steps:08d}.h5"
+    assert latest(tmp_path / "runs" / f"hpctrain-resilient-{job}").name == f"ckpt-{steps:08d}.h5"
     assert stop < steps

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from mpi_harness import PYTHON, ROOT
-from test_slurm_jobs import ckpt_verify, latest_checkpoint, output_of
+from checkpoint_files import latest
+from test_slurm_jobs import ckpt_verify, output_of
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -113,7 +114,7 @@ def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(sl
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "3:0" and record["Restarts"] == "1", record
 
     run_dir = tmp_path / "runs" / f"hpctrain-preemptible-{job}"
-    final = latest_checkpoint(run_dir)
+    final = latest(run_dir)
     assert final.name == f"ckpt-{saved + 1:08d}.h5"
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr

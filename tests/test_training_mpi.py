@@ -13,21 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpi_harness import ROOT, hpctrain, mpirun
+from mpi_harness import ROOT, hpctrain, mpirun, needs_horovod
 
 pytestmark = pytest.mark.mpi
 
 TINY = "tests/mpi/train_tiny.py"
 ERRORS = "tests/mpi/train_errors.py"
-
-
-def _have_horovod():
-    import importlib.util
-
-    return importlib.util.find_spec("horovod") is not None
-
-
-needs_horovod = pytest.mark.skipif(not _have_horovod(), reason="Horovod is not installed (make setup)")
 
 _runs = {}
 _scratch = tempfile.mkdtemp(prefix="hpctrain-train-mpi-")
@@ -233,7 +224,7 @@ def test_max_steps_alone_is_the_budget_and_with_epochs_the_first_ends_the_run(tm
 
 
 # ---------------------------------------------------------------- the digits example
-@pytest.mark.skipif(not _have_horovod(), reason="Horovod is not installed (make setup)")
+@needs_horovod
 def test_digits_example_reaches_its_accuracy_with_fp16_compression(tmp_path):
     pytest.importorskip("sklearn")
     result = hpctrain(2, "train", "examples/digits.toml", "comm.compression=fp16",

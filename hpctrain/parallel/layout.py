@@ -14,7 +14,7 @@ and 3; stage 0's gradients are averaged between ranks 0 and 2.
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..config.validation import replicas_of
+from ..config.budget import replicas_of
 from ..errors import ConfigError
 
 

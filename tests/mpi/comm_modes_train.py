@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 
 from hpctrain import Trainer, load_config
-from train_tiny import synthetic
+from synthetic_data import synthetic
 
 
 class Record:

@@ -18,7 +18,8 @@ import traceback
 import numpy as np
 
 import hpctrain
-from hpctrain import ArrayDataset, Trainer, TrainConfig, load_config  # noqa: F401 (TrainConfig: the API's)
+from hpctrain import Trainer, TrainConfig, load_config  # noqa: F401 (TrainConfig: the API's)
+from synthetic_data import synthetic
 
 STOP_AT = 5  # mid-epoch 2 (4 steps per epoch), between two step-interval checkpoints
 COMMON = [
@@ -37,14 +38,6 @@ SCENARIOS = {
     # 2 stages on 2 ranks: one replica. The split checkpoint resumes in the dense model.
     "pipeline": (["parallel.stages=2", "parallel.micro_batches=2"], ["parallel.stages=1"]),
 }
-
-
-def synthetic(n, seed):
-    """Deterministic, learnable: 4 classes from signs of feature sums."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    y = ((x[:, 0] + x[:, 1] > 0).astype(np.int64) + 2 * (x[:, 2] - x[:, 3] > 0)).astype(np.int64)
-    return ArrayDataset(x, y)
 
 
 def run(out, phase, name):

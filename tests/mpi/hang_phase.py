@@ -11,18 +11,11 @@ background checkpoint writer never returns, so the final wait for it never ends)
 import sys
 import time
 
-import numpy as np
-
 from hpctrain import ArrayDataset, Trainer, load_config
 from hpctrain.checkpoint import commit, manager
+from synthetic_data import synthetic
 
 out, phase, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-
-
-def synthetic(n, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    return ArrayDataset(x, (x[:, 0] > 0).astype(np.int64))
 
 
 def stuck(where):
@@ -40,7 +33,7 @@ class StuckVal(ArrayDataset):
 overrides = ["model.in_features=8", "model.hidden=8", "model.num_classes=2", "train.batch_size=8",
              "train.max_steps=6", "train.eval_every=0", "comm.backend=mpi", f"train.step_timeout={timeout}",
              f"run.root={out}/runs", "checkpoint.every_steps=0", "checkpoint.on_epoch_end=false"]
-val = synthetic(64, 2)
+val = synthetic(64, 2, classes=2)
 if phase == "evaluation":
     overrides += ["train.eval_every=4"]
     val = StuckVal(val.x, val.y)
@@ -68,7 +61,7 @@ elif phase == "resume":
 
     manager.CheckpointManager.resume = resume_stuck
 cfg = load_config(None, overrides)
-trainer = Trainer(cfg, train_data=synthetic(256, 1), val_data=val)
+trainer = Trainer(cfg, train_data=synthetic(256, 1, classes=2), val_data=val)
 if phase == "stop":
     trainer.stop_requested = lambda: trainer.world.rank == 1 and trainer.state.progress.step == 3 \
         and stuck("stop_requested()")

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from train_tiny import synthetic  # noqa: E402
+from synthetic_data import synthetic  # noqa: E402
 
 from hpctrain import Trainer, load_config  # noqa: E402
 from hpctrain.checkpoint import commit  # noqa: E402

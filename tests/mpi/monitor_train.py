@@ -5,20 +5,12 @@ set, with evaluations; rank 0 writes RUN_DIR/metrics.jsonl.
 """
 import sys
 
-import numpy as np
 from mpi4py import MPI
 
 from hpctrain.config import load_config
-from hpctrain.data import ArrayDataset
 from hpctrain.monitoring.monitor import build_callbacks
 from hpctrain.training.trainer import Trainer
-
-
-def synthetic(n, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    y = ((x[:, 0] + x[:, 1] > 0).astype(np.int64) + 2 * (x[:, 2] - x[:, 3] > 0)).astype(np.int64)
-    return ArrayDataset(x, y)
+from synthetic_data import synthetic
 
 
 run_dir, overrides = sys.argv[1], sys.argv[2:]

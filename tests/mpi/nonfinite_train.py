@@ -16,15 +16,9 @@ import sys
 import numpy as np
 import torch
 
-from hpctrain import ArrayDataset, Trainer, load_config
+from hpctrain import Trainer, load_config
 from hpctrain.training.nonfinite import NonFiniteError
-
-
-def synthetic(n, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    y = ((x[:, 0] + x[:, 1] > 0).astype(np.int64) + 2 * (x[:, 2] - x[:, 3] > 0)).astype(np.int64)
-    return ArrayDataset(x, y)
+from synthetic_data import synthetic
 
 
 class PoisonedLoss:

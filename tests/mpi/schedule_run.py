@@ -5,15 +5,8 @@
 """
 import sys
 
-import numpy as np
-
-from hpctrain import ArrayDataset, Trainer, load_config
-
-
-def synthetic(n, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 8)).astype(np.float32)
-    return ArrayDataset(x, (x[:, 0] + x[:, 1] > 0).astype(np.int64))
+from hpctrain import Trainer, load_config
+from synthetic_data import synthetic
 
 
 def main(argv):
@@ -24,7 +17,7 @@ def main(argv):
                              "monitor.progress=off", "checkpoint.every_steps=5", "checkpoint.resume=auto",
                              "comm.backend=mpi", f"run.run_dir={run_dir}", *overrides])
     stop = (lambda: trainer.state.progress.step >= stop_at) if stop_at else None
-    trainer = Trainer(cfg, train_data=synthetic(256, 1), stop_requested=stop)
+    trainer = Trainer(cfg, train_data=synthetic(256, 1, classes=2), stop_requested=stop)
     trainer.fit()
 
 
