@@ -192,7 +192,8 @@ def _read_region(f, i, d, region, scratch, errors):
 
 def _read_all(f, plan, rank_datasets, errors):
     """Read this rank's regions of ``plan``: their checksums; a failure is one more entry of ``errors``."""
-    scratch = _scratch([(d.shape, d.dtype) for d in rank_datasets if any(r.into is None for r in d.regions)])
+    unread = [(d.shape, d.dtype) for d in rank_datasets if any(r.into is None for r in d.regions)]
+    scratch = _scratch(unread) if unread else None
     sums = []
     for i, d in enumerate(plan.datasets):
         for region in d.regions:
