@@ -20,7 +20,7 @@ from .commit import io_mode
 from .consistency import check_consistency
 from .iosettings import io_of
 from .plan import DatasetPlan, WritePlan, plan_snapshot
-from .readplan import DatasetRead, ReadPlan, RegionRead, plan_shared
+from .readplan import DatasetRead, ReadPlan, RegionRead
 
 STATE_PREFIX = fmt.OPT_STATE + "/"
 
@@ -215,12 +215,12 @@ def load(path, state, comm, parallel, restore_rng=True):
         return h
 
     h = on_root(header, comm)
-    rest = sorted(p for p in h.datasets if not p.startswith(STATE_PREFIX))
-    shared = plan_shared(h, rest, rank, comm.Get_size() if parallel else 1, fmt.finite_paths(h.group_attrs, rest))
+    # Two plans, read one after the other: the model's rows first, as a replicated load reads them, so a
+    # damaged model is reported alone, before the optimizer state is read.
+    arrays = reader.read_arrays(h, comm, parallel, keep=lambda p: not p.startswith(STATE_PREFIX))
     state_reads, flats, scalars, problems = _state_reads(h, opt, rank)
-    reader.read(ReadPlan(h.path, sorted(shared + state_reads, key=lambda d: d.path), parallel, problems=problems),
-                comm)
-    arrays = {d.path: d.whole for d in shared}
+    reader.read(ReadPlan(h.path, sorted(state_reads, key=lambda d: d.path), parallel, problems=problems,
+                         opening=READ_FAILURE), comm)
     dtypes = {key: tname for per in _state_keys(h).values() for key, (_, _, tname, _) in per.items()}
     tensors = {k: snapshot.array_to_tensor(v, dtypes[k]) for k, v in flats.items()}
     typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
