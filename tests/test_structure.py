@@ -9,7 +9,8 @@
 * at most 8 modules directly in ``hpctrain/``;
 * ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``, other
   programs' (MPI, Horovod, modules) in ``settings.py`` or where its docstring says; ``horovod`` is
-  imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
+  imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook;
+* ``hpctrain.parallel`` uses the checkpoint package through ``checkpoint/planning.py`` alone.
 """
 import ast
 import collections
@@ -45,6 +46,7 @@ CHECKPOINT_LAYERS = (
     ("policy", "interval", "directory"),  # when to save, how often, what to keep; the checkpoint directory
     ("commit",),  # the one save pipeline of a run's directory
     ("planners", "background"),  # who writes which part, per kind of state (save_checkpoint...); async_save
+    ("planning",),  # the surface that hpctrain.parallel's split-model planner uses (CHECKPOINT_SURFACE)
     ("local",),  # the node-local level: its recovery writes an ordinary file through commit
     ("manager",),  # a run's checkpoints: composes all of the above
     ("__init__",),
@@ -146,6 +148,17 @@ def test_checkpoint_imports_run_downward_only():
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: checkpoint.{me} (row "
                              f"{CHECKPOINT_LAYER[me]}) imports {target} (row {CHECKPOINT_LAYER[other]})")
     assert not wrong, "imports inside checkpoint/ that run sideways or upward:\n" + "\n".join(wrong)
+
+
+# The one module of the checkpoint package that hpctrain.parallel (its split models' planner) may import.
+CHECKPOINT_SURFACE = "hpctrain.checkpoint.planning"
+
+
+def test_parallel_uses_the_checkpoint_package_through_its_surface():
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}"
+             for path in sorted((PACKAGE / "parallel").rglob("*.py")) for target, line in _imports(path)
+             if _top(target) == "checkpoint" and target != CHECKPOINT_SURFACE]
+    assert not wrong, f"import these through {CHECKPOINT_SURFACE} (add what is missing there):\n" + "\n".join(wrong)
 
 
 def test_no_circle_of_imports_inside_a_package():

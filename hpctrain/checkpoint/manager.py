@@ -2,7 +2,7 @@
 Every public call is collective: all ranks call it with the same arguments. Rank 0 makes the decisions (name,
 time, retention) through :func:`~hpctrain.runtime.coordination.on_root`, so every rank sees the same result or
 the same exception. Each save goes through the one pipeline of :mod:`.commit`; which rank writes which part of
-the file is the planner's (:class:`~.replicated.ReplicatedPlanner` by default, a split model's own otherwise).
+the file is the planner's (:class:`~.replicated.DataParallelPlanner` by default, a split model's own otherwise).
 """
 import logging
 import os
@@ -19,7 +19,7 @@ from .content.plan import check_finite
 from .interval import AutoInterval
 from .io import iosettings
 from .local.level import LocalLevel
-from .planners.replicated import ReplicatedPlanner
+from .planners.replicated import DataParallelPlanner
 from .policy import save_reason
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -38,7 +38,7 @@ class CheckpointManager:
     def __init__(self, directory, world, cfg, run_config=None, planner=None):
         self.directory = os.path.abspath(os.fspath(directory))
         self.world, self.comm, self.cfg, self.run_config = world, world.comm, cfg, run_config
-        self.planner = planner or ReplicatedPlanner(self.comm, cfg.consistency)
+        self.planner = planner or DataParallelPlanner(self.comm, cfg.consistency)
         self.parallel, forced = (True, False) if self.planner.collective_only else commit.io_mode(self.comm)
         if world.is_root:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)

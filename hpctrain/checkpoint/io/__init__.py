@@ -8,5 +8,6 @@ checkpoint directory. Lowest first:
     iosettings  alignment, MPI-IO hints, direct or mapped writes, chosen from the directory's file system
     h5file      the HDF5 file: created with hints, layout and collective metadata; laid out, sealed, closed
     writer      who writes what, when: collective and independent calls, checksums, the serial fallback
-    reader      the header, every rank's arrays, and the integrity checks: every checksum re-read and compared
+    reader      the header; ``read``, the one read path that carries out any ReadPlan (checksums, NaN checks,
+                agreement); verification: every checksum re-read and compared
 """

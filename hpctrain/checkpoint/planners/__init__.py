@@ -1,8 +1,9 @@
 """Who writes and reads which part of a checkpoint file, per kind of state: a planner makes a save's
-WritePlan and loads a file back. The manager is handed one; split models' is
+WritePlan and a load's ReadPlan, which ``io.reader.read`` carries out. The manager is handed one; split models' is
 ``hpctrain.parallel.checkpoint.SplitPlanner``. Lowest first:
 
-    sharded     ``comm.shard`` states: each rank writes the rows of its optimizer slice, in the ordinary format
-    replicated  data-parallel states: ReplicatedPlanner (the default), save_checkpoint, load_checkpoint,
-                verify_checkpoint
+    consistency whether the replicas of a model still agree, checked before a save (``checkpoint.consistency``)
+    sharded     ``comm.shard`` states: ShardedPlanner; each rank writes and reads the rows of its optimizer slice
+    replicated  data-parallel states: ReplicatedPlanner, DataParallelPlanner (the default: sharded or replicated
+                by the state), save_checkpoint, load_checkpoint, verify_checkpoint
 """
