@@ -10,7 +10,7 @@
 * ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``, other
   programs' (MPI, Horovod, modules) in ``settings.py`` or where its docstring says; ``horovod`` is
   imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook;
-* ``hpctrain.parallel`` uses the checkpoint package through ``checkpoint/planning.py`` alone.
+* ``hpctrain.parallel`` uses the checkpoint package through ``checkpoint/planners/__init__.py`` alone.
 """
 import ast
 import collections
@@ -46,7 +46,6 @@ CHECKPOINT_LAYERS = (
     ("policy", "interval", "directory"),  # when to save, how often, what to keep; the checkpoint directory
     ("commit",),  # the one save pipeline of a run's directory
     ("planners", "background"),  # who writes which part, per kind of state (save_checkpoint...); async_save
-    ("planning",),  # the surface that hpctrain.parallel's split-model planner uses (CHECKPOINT_SURFACE)
     ("local",),  # the node-local level: its recovery writes an ordinary file through commit
     ("manager",),  # a run's checkpoints: composes all of the above
     ("__init__",),
@@ -151,7 +150,7 @@ def test_checkpoint_imports_run_downward_only():
 
 
 # The one module of the checkpoint package that hpctrain.parallel (its split models' planner) may import.
-CHECKPOINT_SURFACE = "hpctrain.checkpoint.planning"
+CHECKPOINT_SURFACE = "hpctrain.checkpoint.planners"
 
 
 def test_parallel_uses_the_checkpoint_package_through_its_surface():

@@ -16,8 +16,8 @@ The layout, lowest first; each part imports only those listed before it
     interval     how often, from measured save cost and step time (``checkpoint.auto_interval``)
     directory    the checkpoint directory: its files, ``latest``, abandoned branches, stale temp files
     commit       the one save pipeline: prepare, write, verify, rename, ``latest``, retention
-    planners/    who writes and reads which part of a file, per kind of state; ``save_checkpoint``...
-    planning     what ``hpctrain.parallel``'s split-model planner may use of this package, and all it may
+    planners/    who writes and reads which part of a file, per kind of state; ``save_checkpoint``...; the
+                 names a planner outside the package (split models') may use
     background   ``checkpoint.async_save``: the writer thread
     local/       the node-local level (``checkpoint.local``): snapshots between the files, recovery
     manager      ``CheckpointManager``: a run's saves, and where it resumes

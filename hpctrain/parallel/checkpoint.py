@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from ..checkpoint.planning import (DatasetPlan, ReadPlan, RegionRead, WritePlan, begin, check_consistency, fmt,
+from ..checkpoint.planners import (DatasetPlan, ReadPlan, RegionRead, WritePlan, begin, check_consistency, fmt,
                                    h5py_parallel, plan_checksums, read, read_header, snapshot, write_into_place)
 from ..runtime.coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError
