@@ -387,7 +387,7 @@ def main():
     state_bytes = nbytes(tensors)
 
     from hpctrain.checkpoint import load_checkpoint, save_checkpoint
-    from hpctrain.checkpoint.iosettings import IOSettings, io_settings_for
+    from hpctrain.checkpoint.io.iosettings import IOSettings, io_settings_for
     from hpctrain.runtime.coordination import on_root
 
     # What a training process has imported before its first save (the checkpoint manager imports h5py when it

@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 from run_all import mpi_env  # noqa: E402
 
 from hpctrain.checkpoint.directory import read_latest  # noqa: E402
-from hpctrain.checkpoint.format import parse_step  # noqa: E402
+from hpctrain.checkpoint.content.format import parse_step  # noqa: E402
 from hpctrain.monitoring.report import restart_costs, restart_events  # noqa: E402
 
 MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",

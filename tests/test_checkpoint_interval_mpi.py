@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from hpctrain.checkpoint import reader
+from hpctrain.checkpoint.io import reader
 from hpctrain.checkpoint.interval import PROBE_STEPS
 from mpi_harness import mpirun
 

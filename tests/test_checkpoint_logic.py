@@ -8,8 +8,8 @@ import zlib
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import format as fmt
-from hpctrain.checkpoint import plan as ckplan
+from hpctrain.checkpoint.content import format as fmt
+from hpctrain.checkpoint.content import plan as ckplan
 from hpctrain.checkpoint import policy
 from hpctrain.runtime.fsutil import temp_name
 
@@ -138,7 +138,7 @@ def test_json_attributes_keep_floats_exact():
 
 def test_tensor_encoding_round_trips_every_dtype():
     torch = pytest.importorskip("torch")
-    from hpctrain.checkpoint.snapshot import array_to_tensor, tensor_to_array
+    from hpctrain.checkpoint.content.snapshot import array_to_tensor, tensor_to_array
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
                   torch.uint8, torch.bool):
@@ -157,8 +157,8 @@ def test_tensor_encoding_round_trips_every_dtype():
 def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
     """Ranks checksum what they write, by rows (data parallel) or by any region (split
     models); the combined CRC is the dataset's, whoever wrote which part."""
-    from hpctrain.checkpoint import writer
-    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+    from hpctrain.checkpoint.io import writer
+    from hpctrain.checkpoint.content.snapshot import Entry, Snapshot
 
     big = np.arange(600 * 600, dtype=np.float32).reshape(600, 600)  # >= 1 MiB: split by rows
     small = np.arange(12, dtype=np.int64).reshape(3, 4)
@@ -179,8 +179,8 @@ def test_every_plan_checksums_to_the_crc_of_the_whole_dataset():
 def test_a_background_save_copies_only_its_own_rows_checked_into_kept_buffers(workers):
     """An async save's pieces stop aliasing training's tensors: each rank copies the rows it
     writes, no more, into the buffers of the previous save, and finds NaN in the same pass."""
-    from hpctrain.checkpoint import writer
-    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+    from hpctrain.checkpoint.io import writer
+    from hpctrain.checkpoint.content.snapshot import Entry, Snapshot
 
     big = np.arange(600 * 600, dtype=np.float32).reshape(600, 600)  # >= 1 MiB: split by rows
     own = np.arange(5, dtype=np.float32)  # already the save's own memory (a GPU tensor's host copy)
@@ -208,8 +208,8 @@ def test_a_nan_refused_by_the_serial_writer_leaves_a_file_without_a_checkpoint(t
     it: a NaN refuses the save naming the tensor, and the file holds no valid checkpoint."""
     import h5py
 
-    from hpctrain.checkpoint import writer
-    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+    from hpctrain.checkpoint.io import writer
+    from hpctrain.checkpoint.content.snapshot import Entry, Snapshot
 
     good = np.ones((4, 4), np.float32)
     bad = np.ones(3, np.float32)
@@ -235,8 +235,8 @@ def test_the_serial_writers_failures_name_the_dataset_and_the_fix(tmp_path, monk
     created, is a CheckpointError naming what failed and how to fix it."""
     import errno
 
-    from hpctrain.checkpoint import writer
-    from hpctrain.checkpoint.snapshot import Entry, Snapshot
+    from hpctrain.checkpoint.io import writer
+    from hpctrain.checkpoint.content.snapshot import Entry, Snapshot
     from hpctrain.errors import CheckpointError
 
     snap = Snapshot([Entry("model/a", np.ones((4, 4), np.float32), {fmt.DTYPE_ATTR: "float32"})], {}, {})
@@ -255,7 +255,7 @@ def test_all_finite_per_dtype_as_stored():
     """NaN and infinity are found in every floating dtype, also those stored as raw bits."""
     import torch
 
-    from hpctrain.checkpoint.snapshot import tensor_to_array
+    from hpctrain.checkpoint.content.snapshot import tensor_to_array
 
     dtypes = [torch.float16, torch.float32, torch.float64, torch.bfloat16]
     dtypes += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
@@ -299,7 +299,7 @@ def test_metadata_crc_covers_values_not_their_types():
 def test_in_place_targets_skip_shared_mismatched_and_strided_tensors():
     import torch
 
-    from hpctrain.checkpoint import snapshot
+    from hpctrain.checkpoint.content import snapshot
     from hpctrain.state import Progress, TrainState
 
     model = torch.nn.Module()

@@ -239,6 +239,6 @@ def test_a_save_and_a_resume_walk_the_checkpoint_modules_downward_only(tmp_path)
     upward = [f"{a} -> {b}" for a, b in edges if b not in below.get(a, ())]
     assert not upward, "calls that do not go down the checkpoint package's layers:\n" + "\n".join(upward)
     (entered,) = [line.split()[1:] for line in out.splitlines() if line.startswith("ENTERED ")]
-    for module in ("manager", "policy", "replicated", "commit", "directory", "snapshot", "plan", "writer",
-                   "agreement", "reader", "background"):
+    for module in ("manager", "policy", "replicated", "commit", "directory", "metadata", "snapshot", "plan",
+                   "writer", "h5file", "agreement", "reader", "background"):
         assert module in entered, (module, entered)

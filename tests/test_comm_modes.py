@@ -7,7 +7,9 @@ import torch
 
 from hpctrain.config import load_config, validate
 from hpctrain.errors import ConfigError
+from hpctrain.runtime.replicas import ReplicasDiverged
 from hpctrain.training import comm_modes
+from hpctrain.training.local_sgd import check_replicas
 
 
 def check(*overrides, cuda=False):
@@ -141,8 +143,8 @@ def test_a_replica_that_differs_after_an_average_is_named_on_every_rank():
         def allgather(value):  # (job rank, fingerprints) of every rank
             return [(0, mine), (1, mine), (2, other)]
 
-    with pytest.raises(comm_modes.ReplicasDiverged, match=r"after the parameter average of step 8, ranks 2 hold "
+    with pytest.raises(ReplicasDiverged, match=r"after the parameter average of step 8, ranks 2 hold "
                                                           r"parameters that differ from rank 0's \(first differing: "
                                                           r"weight\)") as err:
-        comm_modes.check_replicas(model, ThreeRanks, "the parameter average of step 8")
+        check_replicas(model, ThreeRanks, "the parameter average of step 8")
     assert err.value.collective  # raised alike on every rank: no abort, no hang

@@ -1,4 +1,4 @@
-"""Direct writes of a rank's part into a checkpoint file (hpctrain/checkpoint/directio.py), on this machine's
+"""Direct writes of a rank's part into a checkpoint file (hpctrain/checkpoint/io/directio.py), on this machine's
 disk: every byte lands where it is written whatever its offset and length, whole blocks go through O_DIRECT and
 the ragged ends do not, a direct re-read checksums any range as zlib does, and a descriptor that refuses a
 direct call hands the rest to plain ones.
@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import directio
-from hpctrain.checkpoint.directio import BLOCK, open_direct
+from hpctrain.checkpoint.io import directio
+from hpctrain.checkpoint.io.directio import BLOCK, open_direct
 from part_writes import MiB, target, writes  # noqa: F401 (target: a fixture)
 
 

@@ -49,7 +49,7 @@ def test_doctor_names_the_checkpoint_file_system_and_what_a_save_uses(tmp_path):
     assert "\0" not in proc.stdout and "[ok  ] mpi4py" in proc.stdout
     # Hints, as a user sets them for a save, and which of them MPI-IO kept for a file it opened there (in a
     # process of its own: MPI is not started in the test process).
-    code = ("import sys; from hpctrain.checkpoint.iosettings import io_settings_for; "
+    code = ("import sys; from hpctrain.checkpoint.io.iosettings import io_settings_for; "
             "from hpctrain.commands.doctor import _hints_kept; "
             "io = io_settings_for(sys.argv[1], io_hints={'striping_unit': 4 << 20, 'romio_cb_write': 'enable'}); "
             "print(_hints_kept(sys.argv[1], io))")

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from hpctrain.checkpoint import format as fmt
-from hpctrain.checkpoint.iosettings import (DEFAULT_ALIGNMENT, IOSettings, filesystem_of, io_settings_for,
+from hpctrain.checkpoint.content import format as fmt
+from hpctrain.checkpoint.io.iosettings import (DEFAULT_ALIGNMENT, IOSettings, filesystem_of, io_settings_for,
                                             parse_mountinfo)
 from hpctrain.config import TrainConfig
 from hpctrain.config.validation import validate

@@ -4,9 +4,9 @@ test_local_checkpoints_mpi.py and test_slurm_multinode.py."""
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import format as fmt
-from hpctrain.checkpoint import localfiles
-from hpctrain.checkpoint.plan import DatasetPlan, WritePlan
+from hpctrain.checkpoint.content import format as fmt
+from hpctrain.checkpoint.local import files as localfiles
+from hpctrain.checkpoint.content.plan import DatasetPlan, WritePlan
 from hpctrain.config import load_config, validate
 from hpctrain.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Mapped writes of a rank's parts into a checkpoint file (hpctrain/checkpoint/mapped.py), on this machine's disk:
+"""Mapped writes of a rank's parts into a checkpoint file (hpctrain/checkpoint/io/mapped.py), on this machine's disk:
 every byte lands where it is written whatever its offset, length and window, each range is allocated before it
 is mapped, a full disk is an OSError (never a SIGBUS), a file system that cannot allocate ahead gets
 plain writes, and an end beyond the file's size extends it. tests/test_io_pattern.py checks a real save's
@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint import mapped
-from hpctrain.checkpoint.mapped import PAGE, open_mapped
+from hpctrain.checkpoint.io import mapped
+from hpctrain.checkpoint.io.mapped import PAGE, open_mapped
 from part_writes import MiB, target, writes  # noqa: F401 (target: a fixture)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint.format import checkpoint_name
+from hpctrain.checkpoint.content.format import checkpoint_name
 from mpi_harness import hpctrain, mpirun, needs_horovod
 
 pytestmark = pytest.mark.mpi

@@ -65,7 +65,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
 
 
 def test_runs_cover_a_column_slice_row_by_row():
-    from hpctrain.checkpoint.format import runs
+    from hpctrain.checkpoint.content.format import runs
 
     assert runs((4, 6), ((0, 4), (2, 4)), 4) == [(8, 8), (32, 8), (56, 8), (80, 8)]
     assert runs((4, 6), ((1, 3), (0, 6)), 4) == [(24, 48)]

@@ -1,14 +1,16 @@
 """The package's structure, checked on every run of the suite (docs/architecture.md).
 
 * layers: a top-level package imports only packages of lower layers, at module level or
-  inside a function; no two modules of one package import each other in a circle;
+  inside a function; no two modules of one package import each other in a circle; inside
+  ``checkpoint/`` the same holds for its subpackages and top modules (``CHECKPOINT_LAYERS``);
 * size: no class over 160 lines, no function over 80, but those named in ``LONG`` with why;
 * names: no two public classes, functions or constants of the package share a name, but the
   entry-point convention of the command modules (``main``, ``build_parser``);
 * at most 8 modules directly in ``hpctrain/``;
 * ``HPCTRAIN_*`` variables are read in ``settings.py`` alone, Slurm's in ``runtime/slurm.py``, other
   programs' (MPI, Horovod, modules) in ``settings.py`` or where its docstring says; ``horovod`` is
-  imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook.
+  imported in ``backends/horovod_backend.py`` alone, and no module keeps a test hook;
+* ``hpctrain.parallel`` uses the checkpoint package through ``checkpoint/planners/__init__.py`` alone.
 """
 import ast
 import collections
@@ -25,7 +27,7 @@ LAYERS = (
     ("runtime",),  # this process in the job: MPI world, node, files, Slurm, coordination
     ("config", "install"),  # the schema, loading, validation; a site installation's record and modulefiles
     ("data", "models", "backends"),
-    ("checkpoint",),
+    ("checkpoint",),  # its own layers: CHECKPOINT_LAYERS
     ("parallel",),
     ("job",),  # a run on the cluster: run directory, lock, signals, watchdog, relaunches
     ("monitoring",),  # reads and writes the run directory's metrics
@@ -35,6 +37,20 @@ LAYERS = (
     ("__main__",),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+# Inside checkpoint/, lowest first: its subpackages and top-level modules, each importing only lower rows (and
+# itself), so that a change to when to save never opens the bytes on disk, and tuning I/O never the run level.
+CHECKPOINT_LAYERS = (
+    ("content",),  # what a checkpoint holds: format, metadata, snapshot, plan; no file opened
+    ("io",),  # bytes on disk: the HDF5 file, writer, reader, direct and mapped writes, I/O settings, agreement
+    ("policy", "interval", "directory"),  # when to save, how often, what to keep; the checkpoint directory
+    ("commit",),  # the one save pipeline of a run's directory
+    ("planners", "background"),  # who writes which part, per kind of state (save_checkpoint...); async_save
+    ("local",),  # the node-local level: its recovery writes an ordinary file through commit
+    ("manager",),  # a run's checkpoints: composes all of the above
+    ("__init__",),
+)
+CHECKPOINT_LAYER = {name: i for i, names in enumerate(CHECKPOINT_LAYERS) for name in names}
 
 MAX_CLASS, MAX_FUNCTION, MAX_TOP_MODULES = 160, 80, 8
 # "path:name" -> why it is longer than the limit
@@ -103,6 +119,45 @@ def test_imports_run_downward_only():
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {me} (layer {LAYER[me]}) imports "
                              f"{target} (layer {LAYER[other]})")
     assert not wrong, "imports that run sideways or upward:\n" + "\n".join(wrong)
+
+
+def _checkpoint_part(module):
+    """The row of ``CHECKPOINT_LAYERS`` a module of ``hpctrain.checkpoint`` belongs to."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_every_checkpoint_part_has_a_layer():
+    root = PACKAGE / "checkpoint"
+    names = {p.stem if p.is_file() else p.name for p in root.iterdir()
+             if (p.suffix == ".py") or (p / "__init__.py").is_file()}
+    missing = sorted(names - set(CHECKPOINT_LAYER))
+    assert not missing, f"give these a row in CHECKPOINT_LAYERS: {missing}"
+
+
+def test_checkpoint_imports_run_downward_only():
+    wrong = []
+    for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
+        me = _checkpoint_part(_name(path))
+        for target, line in _imports(path):
+            if _top(target) != "checkpoint":
+                continue
+            other = _checkpoint_part(target)
+            if other != me and CHECKPOINT_LAYER[other] >= CHECKPOINT_LAYER[me]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: checkpoint.{me} (row "
+                             f"{CHECKPOINT_LAYER[me]}) imports {target} (row {CHECKPOINT_LAYER[other]})")
+    assert not wrong, "imports inside checkpoint/ that run sideways or upward:\n" + "\n".join(wrong)
+
+
+# The one module of the checkpoint package that hpctrain.parallel (its split models' planner) may import.
+CHECKPOINT_SURFACE = "hpctrain.checkpoint.planners"
+
+
+def test_parallel_uses_the_checkpoint_package_through_its_surface():
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}"
+             for path in sorted((PACKAGE / "parallel").rglob("*.py")) for target, line in _imports(path)
+             if _top(target) == "checkpoint" and target != CHECKPOINT_SURFACE]
+    assert not wrong, f"import these through {CHECKPOINT_SURFACE} (add what is missing there):\n" + "\n".join(wrong)
 
 
 def test_no_circle_of_imports_inside_a_package():

@@ -11,11 +11,12 @@ from .. import settings
 from ..errors import CheckpointError
 from ..runtime import fsutil
 from ..runtime.coordination import on_root
-from . import format as fmt
-from . import reader, snapshot, writer
-from .agreement import agree
+from .content import format as fmt
+from .content import metadata
 from .directory import check_writable, read_latest, scan, write_latest
-from .iosettings import io_of
+from .io import reader, writer
+from .io.agreement import agree
+from .io.iosettings import io_of
 from .policy import select_keep
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -33,10 +34,10 @@ def prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual
     ``extra``: more attributes of ``/``; ``io``: the file's layout and MPI-IO hints (:mod:`.iosettings`)."""
     check_writable(os.path.dirname(final))
     nwriters = comm.Get_size() if parallel else 1
-    meta = snapshot.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
+    meta = metadata.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
                                   "mpio" if parallel else "serial", nwriters)
     meta.update(extra or {})
-    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": snapshot.rng_states(), "io": io}
+    return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": metadata.rng_states(), "io": io}
 
 
 def write_verified(plan, info, comm, parallel, verify, background=False):

@@ -6,7 +6,7 @@ import time
 
 from ..errors import CheckpointError
 from ..runtime import fsutil
-from . import format as fmt
+from .content import format as fmt
 
 log = logging.getLogger("hpctrain.checkpoint")
 

@@ -2,7 +2,7 @@
 Every public call is collective: all ranks call it with the same arguments. Rank 0 makes the decisions (name,
 time, retention) through :func:`~hpctrain.runtime.coordination.on_root`, so every rank sees the same result or
 the same exception. Each save goes through the one pipeline of :mod:`.commit`; which rank writes which part of
-the file is the planner's (:class:`~.replicated.ReplicatedPlanner` by default, a split model's own otherwise).
+the file is the planner's (:class:`~.replicated.DataParallelPlanner` by default, a split model's own otherwise).
 """
 import logging
 import os
@@ -12,14 +12,15 @@ from .. import settings
 from ..errors import CheckpointError
 from ..runtime.coordination import everywhere, on_root
 from ..runtime.system import usable_cpus
-from . import commit, directory, iosettings
-from . import format as fmt
+from . import commit, directory
 from .background import BackgroundWriter, threads_ok
+from .content import format as fmt
+from .content.plan import check_finite
 from .interval import AutoInterval
-from .local import LocalLevel
-from .plan import check_finite
+from .io import iosettings
+from .local.level import LocalLevel
+from .planners.replicated import DataParallelPlanner
 from .policy import save_reason
-from .replicated import ReplicatedPlanner
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -37,14 +38,11 @@ class CheckpointManager:
     def __init__(self, directory, world, cfg, run_config=None, planner=None):
         self.directory = os.path.abspath(os.fspath(directory))
         self.world, self.comm, self.cfg, self.run_config = world, world.comm, cfg, run_config
-        self.planner = planner or ReplicatedPlanner(self.comm, cfg.consistency)
+        self.planner = planner or DataParallelPlanner(self.comm, cfg.consistency)
         self.parallel, forced = (True, False) if self.planner.collective_only else commit.io_mode(self.comm)
         if world.is_root:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)
-        # The files' layout and MPI-IO hints, from the directory's file system as rank 0 sees it.
-        self.io = on_root(lambda: iosettings.io_settings_for(self.directory, getattr(cfg, "alignment", 0),
-                                                             getattr(cfg, "io_hints", None),
-                                                             getattr(cfg, "direct_io", False)), self.comm)
+        self.io = on_root(lambda: _io_settings(self.directory, cfg), self.comm)
         self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
         self._last_step = None
@@ -115,7 +113,7 @@ class CheckpointManager:
         auto, local = self.interval, self.local
 
         def decide():
-            due = auto is not None and self._auto_due(step, started)
+            due = auto is not None and _auto_due(auto, self.background, step, started, self._last_step)
             reason = save_reason(step, self._last_step, started - self._last_time,
                                  0 if auto is not None else c.every_steps, c.every_minutes, c.on_epoch_end,
                                  c.on_finish, epoch_end, final, requested, auto_due=due)
@@ -133,15 +131,6 @@ class CheckpointManager:
         if local is not None:
             local.call_ended(ended, step, ended - started if snapped else None)
         return path
-
-    def _auto_due(self, step, now):
-        """Rank 0: is the interval the estimator chose over? Its changes of interval are said."""
-        written, self.background.written = self.background.written, None
-        due = self.interval.due_at(step, now, self._last_step, written)
-        for line in self.interval.changes:
-            print(f"hpctrain: {line}", flush=True)
-        self.interval.changes.clear()
-        return due
 
     def save(self, state, reason="manual", metrics=None):
         """Write a checkpoint of ``state`` now; returns its path. With ``cfg.async_save`` the file is written
@@ -183,6 +172,22 @@ class CheckpointManager:
         self.background.close()
         if self.local is not None:
             self.local.finish(self._last_step)
+
+
+def _io_settings(path, cfg):
+    """The files' layout and MPI-IO hints, from the directory's file system (rank 0's view)."""
+    return iosettings.io_settings_for(path, getattr(cfg, "alignment", 0), getattr(cfg, "io_hints", None),
+                                      getattr(cfg, "direct_io", False))
+
+
+def _auto_due(interval, background, step, now, last_saved_step):
+    """Rank 0: is the interval the estimator chose over? Its changes of interval are said."""
+    written, background.written = background.written, None
+    due = interval.due_at(step, now, last_saved_step, written)
+    for line in interval.changes:
+        print(f"hpctrain: {line}", flush=True)
+    interval.changes.clear()
+    return due
 
 
 def _warn_about_io(parallel, forced, ranks, async_save):

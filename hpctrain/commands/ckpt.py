@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ..checkpoint import format as fmt
+from ..checkpoint.content import format as fmt
 from ..errors import CheckpointError
 
 
@@ -28,7 +28,7 @@ def _size(nbytes):
 
 
 def _rows(directory, found, latest, quick):
-    from ..checkpoint.reader import read_header, verify_file
+    from ..checkpoint.io.reader import read_header, verify_file
 
     for step, name in sorted(found):
         path = os.path.join(directory, name)
@@ -97,7 +97,7 @@ def cmd_list(args):
 
 
 def cmd_inspect(args):
-    from ..checkpoint.reader import read_header
+    from ..checkpoint.io.reader import read_header
 
     h = read_header(args.file)
     print(f"{args.file}")
@@ -126,7 +126,7 @@ def cmd_inspect(args):
 
 
 def cmd_verify(args):
-    from ..checkpoint.reader import verify_file
+    from ..checkpoint.io.reader import verify_file
 
     problems = verify_file(args.file)
     if problems:
@@ -142,8 +142,8 @@ def model_state_dict(path):
     """The model tensors of checkpoint ``path`` as ``{name: torch.Tensor}`` (verified)."""
     import h5py
 
-    from ..checkpoint.reader import read_header, verify_file
-    from ..checkpoint.snapshot import array_to_tensor
+    from ..checkpoint.io.reader import read_header, verify_file
+    from ..checkpoint.content.snapshot import array_to_tensor
 
     problems = verify_file(path)
     if problems:
@@ -218,7 +218,7 @@ def _format_of(path):
 def _export_pretrained(path, sd, out):
     """``--format hf``: the run's model rebuilt from the ``[model]`` its checkpoint records, given the weights,
     and written with ``save_pretrained`` (loads with ``AutoModel*.from_pretrained(out)``)."""
-    from ..checkpoint.reader import read_header
+    from ..checkpoint.io.reader import read_header
     from ..config import TrainConfig
     from ..config.usercode import make_importable
     from ..errors import HpctrainError

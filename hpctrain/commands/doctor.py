@@ -197,7 +197,7 @@ def check_stack(record):
 def check_checkpoint_io(directory, mpi_ok):
     """The file system of the checkpoint directory and what a save there uses: alignment and MPI-IO hints
     (as hpctrain chooses them, and as MPI-IO reports them back for a file opened there)."""
-    from ..checkpoint.iosettings import io_settings_for
+    from ..checkpoint.io.iosettings import io_settings_for
 
     directory = os.path.abspath(directory)
     problem = _unwritable(directory)

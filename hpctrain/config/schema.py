@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ConfigError
-from .values import parse_literal, typed_value  # parse_literal: importers find it here still
+from .values import typed_value
 
 # ---------------------------------------------------------------- the choices keys take
 OPTIMIZERS = ("sgd", "adam", "adamw")

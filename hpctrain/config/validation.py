@@ -8,7 +8,7 @@ import os
 
 from ..errors import ConfigError
 from . import schema
-from .budget import replicas_of, resolve_global_batch, step_budget  # step_budget: importers find it here still
+from .budget import replicas_of, resolve_global_batch
 from .schema import closest, section_names
 from .usercode import check_user_code
 

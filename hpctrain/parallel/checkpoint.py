@@ -10,19 +10,16 @@ checked for consistency, rank 0 names a temp file, every rank writes its pieces 
 is re-read, verified and committed. Only the plan differs: every rank describes the region of each global
 tensor it holds, and the ranks holding one region (the stage's replicas, and for unsplit tensors its tensor
 ranks too) share its rows (:func:`plan_writes`). Loading: rank 0 reads the header, every rank checks the
-tensors it needs against the file's names and shapes, the checksums are verified, then every rank reads its
-regions and restores them as a data-parallel load does (:func:`hpctrain.checkpoint.snapshot.restore`)."""
+tensors it needs against the file's names and shapes, then every rank reads its regions and a share of every
+dataset for the checksums through the one read path (:func:`hpctrain.checkpoint.io.reader.read`) and restores
+them as a data-parallel load does (:func:`hpctrain.checkpoint.content.snapshot.restore`)."""
 import math
 import os
 
 import numpy as np
 
-from ..checkpoint import format as fmt
-from ..checkpoint import reader, snapshot, writer
-from ..checkpoint.agreement import agree
-from ..checkpoint.commit import begin, write_into_place
-from ..checkpoint.plan import DatasetPlan, WritePlan
-from ..checkpoint.replicated import check_consistency
+from ..checkpoint.planners import (DatasetPlan, ReadPlan, RegionRead, WritePlan, begin, check_consistency, fmt,
+                                   h5py_parallel, plan_checksums, read, read_header, snapshot, write_into_place)
 from ..runtime.coordination import all_or_none, everywhere, on_root
 from ..errors import CheckpointError
 from ..state import Progress, TrainState
@@ -57,7 +54,7 @@ def _placement(local_shape, shard):
 
 def held_tensors(module, opt_tensors=()):
     """``[Held]`` for this rank's model tensors and optimizer state (``opt_tensors``, from
-    :func:`~hpctrain.checkpoint.snapshot.optimizer_parts`), under global names."""
+    :func:`~hpctrain.checkpoint.content.snapshot.optimizer_parts`), under global names."""
     shards = shard_dims(module)
     params = dict(module.named_parameters())
     out = []
@@ -206,7 +203,7 @@ def save_parallel_checkpoint(path, module, optimizer, grid, progress=None, run_c
 
 
 def _require_parallel_h5py():
-    if not writer.h5py_parallel():
+    if not h5py_parallel():
         raise everywhere(CheckpointError(
             "checkpoints of split models are written collectively, but h5py was built without MPI support",
             hint="build h5py against parallel HDF5 (`make setup`)"))
@@ -269,6 +266,23 @@ def _check_against(header, held, layout_text, path):
                  "stages, replicas and tensor ranks may differ")
 
 
+def _read_plan(header, held, rank, nranks, rng):
+    """This rank's :class:`ReadPlan` and the ``{path: array}`` it fills: the regions of ``held`` (and, with
+    ``rng``, the generator states), unchecked, since the ranks' regions overlap and need not cover the file;
+    every dataset's checksum instead from the rows each of ``nranks`` ranks reads for it alone."""
+    reads = {d.path: d for d in plan_checksums(header, sorted(header.datasets), rank, nranks)}
+    wanted = [(h.path, h.region) for h in held]
+    if rng and f"{fmt.RNG}/torch" in header.datasets:
+        wanted += [(f"{fmt.RNG}/{key}", None) for key in ("torch", "numpy_keys")]
+    arrays = {}
+    for path, region in wanted:
+        d = reads[path]
+        region = tuple((0, n) for n in d.shape) if region is None else region
+        arrays[path] = np.empty(tuple(b - a for a, b in region), dtype=d.dtype)
+        d.regions.append(RegionRead(region, arrays[path], checked=False))
+    return ReadPlan(header.path, list(reads.values()), True, error=CheckpointError), arrays
+
+
 def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, restore_rng=True):
     """Collective over ``grid.comm``: load ``path`` (written in any layout, or by the data-parallel trainer)
     into this stage's ``module`` and ``optimizer``; returns the file's header. If the file does not fit,
@@ -278,7 +292,7 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
     """
     comm = grid.comm
     path = os.path.abspath(os.fspath(path))
-    header = on_root(lambda: reader.read_header(path), comm)
+    header = on_root(lambda: read_header(path), comm)
     model = held_tensors(module)
     saved_layout = header.root_attrs.get("parallel_layout",
                                          f"data parallel over {header.root_attrs.get('nranks')} ranks")
@@ -291,21 +305,9 @@ def load_parallel_checkpoint(path, module, optimizer, grid, progress=None, resto
             f"{path} holds tensors that no stage of this model has: " + ", ".join("/" + p for p in extra[:10]),
             hint="build the same model as the run that saved it (the layout may differ)"))
     wanted = _wanted_state(module, header) if optimizer is not None else []
-    reader.verify_written(path, {p: int(a[2][fmt.CRC_ATTR]) for p, a in header.datasets.items()}, comm, True)
-
-    arrays, errors, f = {}, [], None
-    try:
-        f = reader.open_for_read(path, comm, True)
-        for h in model + wanted:
-            arrays[h.path] = f[h.path][fmt.slices(h.region)] if h.shape else f[h.path][()]
-        if restore_rng and comm.Get_rank() == 0 and f"{fmt.RNG}/torch" in header.datasets:
-            for key in ("torch", "numpy_keys"):
-                arrays[f"{fmt.RNG}/{key}"] = f[f"{fmt.RNG}/{key}"][()]
-    except Exception as exc:
-        errors.append(f"reading: {type(exc).__name__}: {exc}")
-    finally:
-        reader.close_recording(f, errors)
-    agree(errors, comm, path, "reading")
+    plan, arrays = _read_plan(header, model + wanted, comm.Get_rank(), comm.Get_size(),
+                              restore_rng and comm.Get_rank() == 0)
+    read(plan, comm)
     state = TrainState(module, optimizer, progress if progress is not None else Progress())
     typed = {p: (a, header.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
     all_or_none(lambda: snapshot.restore(state, typed, header.group_attrs, path, partial=True), comm)

@@ -12,8 +12,7 @@ average). The trainer drives one object of :func:`build` per run, whose tensors 
     mode.align_replicas(step); mode.settle(step, stopped)  # local_sgd: averages; stale settles: applies the pending
 """
 from ..runtime.flat import views
-from ..runtime.replicas import ReplicasDiverged  # with check_replicas: importers find both here still
-from .local_sgd import LocalSGD, check_replicas
+from .local_sgd import LocalSGD
 from .sync_mode import SelfAveraging, Sync
 
 

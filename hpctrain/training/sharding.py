@@ -23,7 +23,7 @@ reduce-scatter, keeping only the slice's averaged gradients between steps. Eleme
 a slice like the whole, so a sharded run equals a replicated one up to the order of floating-point sums.
 
 Slices end on row boundaries (a row: all elements with one index along the first dimension): each rank's part
-of a parameter is a block of rows, the region ``hpctrain.checkpoint.sharded`` writes.
+of a parameter is a block of rows, the region ``hpctrain.checkpoint.planners.sharded`` writes.
 
 >>> bounds = shard_bounds([(4, 3), (5,)], 2)   # 12 + 5 elements, two ranks
 >>> bounds
@@ -387,7 +387,7 @@ class ShardedOptimizer:
         for buf in self.model.buffers():
             self.backend.broadcast_tensor(buf, root)
 
-    # ---- what checkpoints need (hpctrain.checkpoint.sharded)
+    # ---- what checkpoints need (hpctrain.checkpoint.planners.sharded)
     def param_names(self):
         names = {id(p): n for n, p in self.model.named_parameters()}
         return [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]

@@ -23,7 +23,6 @@ from ..backends import get_backend
 from ..config.schema import is_import_path
 from ..data import eval_shard
 from ..data.batches import to_device
-from ..job.watchdog import watching
 from ..models import build_model
 from ..runtime.coordination import all_or_none
 from . import evaluation, nonfinite, recipes

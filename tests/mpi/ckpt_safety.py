@@ -22,8 +22,9 @@ import torch
 import ckpt_common as cc
 from ckpt_common import expect_error, flip_byte, fresh_dir, read_latest, root_only, say
 from hpctrain.runtime import fsutil
-from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint, writer
-from hpctrain.checkpoint import format as fmt
+from hpctrain.checkpoint import CheckpointManager, load_checkpoint, verify_checkpoint
+from hpctrain.checkpoint.io import h5file, writer
+from hpctrain.checkpoint.content import format as fmt
 from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.state import Progress, TrainState
 
@@ -258,7 +259,7 @@ def direct_write_damaged():
     direct write right after it): the verification re-reads the file's bytes, not the buffer that was written
     (tests/test_io_pattern.py: through O_DIRECT too); every rank raises the same checksum error, no temp file
     is left, `latest` stays."""
-    from hpctrain.checkpoint import directio
+    from hpctrain.checkpoint.io import directio
 
     d = fresh_dir("direct_damaged")
     torch.manual_seed(3)
@@ -301,7 +302,7 @@ def one_rank_cannot_extend():
     rank never leaves) the job aborts naming the file; never a silent wait. Runs last: the
     test checks the directory after the job ended."""
     d = fresh_dir("one_rank")
-    writer.FAILED_CLOSE_TIMEOUT = 10.0  # the default 60 s, shortened for the test
+    h5file.FAILED_CLOSE_TIMEOUT = 10.0  # the default 60 s, shortened for the test
     state = cc.make_state(seed=3)
     mgr = CheckpointManager(d, W, cc.config(), None)
     train_and_save(mgr, state, [1])

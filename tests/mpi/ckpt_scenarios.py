@@ -18,8 +18,8 @@ import torch
 
 import ckpt_common as cc
 from ckpt_common import expect_error, fresh_dir, read_latest, root_only, say
-from hpctrain.checkpoint import (CheckpointManager, background, commit, load_checkpoint, reader, verify_checkpoint,
-                                 writer)
+from hpctrain.checkpoint import CheckpointManager, background, commit, load_checkpoint, verify_checkpoint
+from hpctrain.checkpoint.io import reader, writer
 from hpctrain.runtime.coordination import abort_on_exception
 from hpctrain.errors import CheckpointError
 

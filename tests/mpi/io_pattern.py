@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hpctrain.checkpoint import CheckpointManager  # noqa: E402
-from hpctrain.checkpoint import format as fmt  # noqa: E402
+from hpctrain.checkpoint.content import format as fmt  # noqa: E402
 from hpctrain.config import CheckpointConfig  # noqa: E402
 from hpctrain.runtime.coordination import abort_on_exception  # noqa: E402
 from hpctrain.runtime.world import init_world  # noqa: E402

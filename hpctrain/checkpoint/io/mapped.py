@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from ..runtime.fsutil import pwrite_all
+from ...runtime.fsutil import pwrite_all
 
 PAGE = mmap.ALLOCATIONGRANULARITY  # mapping offsets must be multiples of it
 MIN_WINDOW = 1 << 20

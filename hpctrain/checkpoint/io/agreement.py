@@ -1,8 +1,8 @@
 """How every rank of a collective read or write comes to raise the same :class:`CheckpointError`:
 each rank collects what failed on it and keeps taking part in the collective calls; at fixed
 points the ranks agree (:func:`agree`), and the error names every rank's failure and the fix."""
-from ..errors import CheckpointError
-from ..runtime.coordination import raise_if_any
+from ...errors import CheckpointError
+from ...runtime.coordination import raise_if_any
 
 
 def describe_error(exc):

@@ -1,21 +1,17 @@
 """Between torch objects and the file: a :class:`Snapshot` is the list of arrays and attributes a checkpoint
 holds, taken from a :class:`~hpctrain.state.TrainState` (and put back into one). Every rank builds the same
-snapshot: parameters are data-parallel replicas and rank 0's trainer state (RNG, metadata) is broadcast first.
-Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG attributes with the
-same functions, and are restored by :func:`restore` with ``partial``."""
+snapshot: parameters are data-parallel replicas and rank 0's trainer state (RNG, metadata: :mod:`.metadata`)
+is broadcast first. Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG
+attributes with the same functions, and are restored by :func:`restore` with ``partial``."""
 import json
-import random
-import socket
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 import numpy as np
 
-from .. import __version__
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from . import format as fmt
+from .metadata import set_rng_states
 
 
 @dataclass
@@ -169,73 +165,6 @@ def rng_entries(rng):
     """The datasets of rank 0's generator states."""
     return [Entry(f"{fmt.RNG}/torch", rng["torch"], {fmt.DTYPE_ATTR: "uint8"}),
             Entry(f"{fmt.RNG}/numpy_keys", rng["numpy_keys"], {fmt.DTYPE_ATTR: "uint32"})]
-
-
-# ---------------------------------------------------------------- environment metadata
-
-def _versions():
-    import h5py
-    import torch
-
-    return {
-        "hpctrain_version": __version__,
-        "torch_version": str(torch.__version__),
-        "h5py_version": h5py.__version__,
-        "hdf5_version": h5py.version.hdf5_version,
-        "numpy_version": np.__version__,
-        "python_version": sys.version.split()[0],
-    }
-
-
-def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
-    """Attributes of ``/``, made on rank 0 and broadcast: parallel HDF5 needs them identical on all ranks."""
-    from ..runtime.world import launch_info
-
-    info = launch_info()
-    now = time.time()
-    meta = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "step": int(step),
-        "reason": reason,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        "created_unix": now,
-        "nranks": int(nranks),
-        "nwriters": int(nwriters),
-        "io_mode": io_mode,
-        "hostname": socket.gethostname(),
-        "run_config": fmt.to_json(run_config or {}),
-        "metrics": fmt.to_json(metrics or {}),
-    }
-    meta.update(_versions())
-    if info.slurm_job_id:
-        meta["slurm_job_id"] = info.slurm_job_id
-    if info.slurm_nodelist:
-        meta["slurm_nodelist"] = info.slurm_nodelist
-    return meta
-
-
-def rng_states():
-    """This process's torch, numpy and Python generator states (small)."""
-    import torch
-
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state().numpy().copy(),
-        "numpy_keys": np.asarray(np_state[1], dtype=np.uint32).copy(),
-        "numpy_meta": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": random.getstate(),
-    }
-
-
-def set_rng_states(rng):
-    import torch
-
-    torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(rng["torch"], dtype=np.uint8)))
-    kind, pos, has_gauss, cached = rng["numpy_meta"]
-    np.random.set_state((kind, np.asarray(rng["numpy_keys"], dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss_next = rng["python"]
-    random.setstate((version, tuple(internal), gauss_next))
 
 
 # ---------------------------------------------------------------- taking a snapshot

@@ -11,13 +11,17 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..runtime.coordination import all_or_none, everywhere, on_root
-from ..errors import CheckpointError
-from . import format as fmt
-from . import reader, snapshot
-from .agreement import agree
-from .iosettings import io_of
-from .plan import DatasetPlan, WritePlan, plan_snapshot
+from ...runtime import allocator
+from ...runtime.coordination import all_or_none, everywhere, on_root
+from ...errors import CheckpointError
+from ..commit import io_mode
+from ..content import format as fmt
+from ..content import snapshot
+from ..content.plan import DatasetPlan, WritePlan, plan_snapshot
+from ..content.readplan import DatasetRead, ReadPlan, RegionRead
+from ..io import reader
+from ..io.iosettings import io_of
+from .consistency import check_consistency
 
 STATE_PREFIX = fmt.OPT_STATE + "/"
 
@@ -91,6 +95,31 @@ def plan(state, info, comm, copy=False):
     return WritePlan(datasets, base.root_attrs, groups)
 
 
+class ShardedPlanner:
+    """Who writes and reads what of a sharded state (``comm.shard``), for the manager: each rank the rows of
+    its optimizer slice, and its share of the model's rows as :class:`~.replicated.ReplicatedPlanner` does."""
+
+    collective_only = False  # loads serially too; saving needs parallel HDF5 (check_parallel says so)
+
+    def __init__(self, comm, consistency="check"):
+        self.comm, self.consistency = comm, consistency
+
+    def check_replicas(self, state):
+        """Collective: every rank holds the whole model; the copies must agree."""
+        check_consistency(state.model, self.comm, self.consistency)
+
+    def plan(self, state, info, parallel, buffers=None):
+        """This rank's plan; ``buffers`` given (a background save): its pieces are copies."""
+        check_parallel(parallel)
+        return plan(state, info, self.comm, copy=buffers is not None)
+
+    def load(self, path, state, restore_rng=True):
+        """Collective: read ``path`` into ``state``; returns its header."""
+        parallel, _ = io_mode(self.comm)
+        with allocator.reusing_large_blocks():
+            return load(path, state, self.comm, parallel, restore_rng)
+
+
 def check_parallel(parallel):
     if not parallel:
         raise everywhere(CheckpointError(
@@ -112,97 +141,89 @@ def _state_keys(header):
     return keys
 
 
-def _read_slice(header, opt, comm, parallel):
-    """Read this rank's rows of every optimizer state dataset into flat slice tensors: ``(tensors, scalars,
-    checksums, errors, paths)``, scalars by ``(group, key)``, checksums as in :func:`.plan.own_checksums`,
-    indexed by sorted ``paths``."""
-    import torch
-
-    rank = comm.Get_rank()
+def _state_reads(header, opt, rank):
+    """This rank's rows of every optimizer state dataset, read into flat slice arrays: ``(datasets, flats,
+    scalars, problems)``: a :class:`~.readplan.DatasetRead` per state dataset of the file, the slice arrays by
+    state key, the scalars by ``(group, key)`` (read by every rank, checked on the one that writes them) and
+    what does not fit."""
     keys = _state_keys(header)
-    paths = sorted(p for p in header.datasets if p.startswith(STATE_PREFIX))
-    index = {p: i for i, p in enumerate(paths)}
     count = opt.counts[rank]
-    tensors, scalars, sums, errors, f = {}, {}, [], [], None
-    try:
-        f = reader.open_for_read(header.path, comm, parallel) if parallel else _open_serial(header.path)
-        for (name, shape, pieces), g in zip(opt.layout(), opt.group_of):
-            per_row = int(np.prod(shape[1:])) if shape else 1
-            for key, (dshape, dtype, tname, _) in sorted(keys.get(name, {}).items()):
-                path = snapshot.optimizer_state_path(name, key)
-                if dshape == ():
-                    value = np.asarray(f[path][()])
-                    scalars.setdefault((g, key), (value, tname))  # the group's first parameter's
-                    owner = pieces[0][0] if pieces else 0
-                    if rank == owner:
-                        sums.append((index[path], 0, value.nbytes, fmt.crc32_bytes(value)))
-                    continue
-                if dshape != tuple(shape):
-                    errors.append(f"/{path} has shape {dshape}, the parameter {shape}")
-                    continue
-                flat = tensors.get(key)
-                if flat is None:
-                    flat = tensors[key] = np.empty(count, dtype=dtype)
-                for r, a, b, start in pieces:
-                    if r != rank:
-                        continue
-                    part = flat[start:start + (b - a) * per_row].reshape((b - a,) + tuple(shape[1:]))
-                    f[path].read_direct(part, np.s_[a:b] if shape else np.s_[()])
-                    sums.append((index[path], a * fmt.row_bytes(dshape, dtype.itemsize), part.nbytes,
-                                 fmt.crc32_bytes(part)))
-                    if not fmt.all_finite(part, tname):
-                        errors.append(f"/{path} holds NaN or infinite values (the state of a run that had diverged)")
-    except Exception as exc:
-        errors.append(f"reading the optimizer state: {type(exc).__name__}: {exc}")
-    finally:
-        reader.close_recording(f, errors)
-    dtypes = {key: tname for per in keys.values() for key, (_, _, tname, _) in per.items()}
-    return {k: snapshot.array_to_tensor(v, dtypes[k]) for k, v in tensors.items()}, scalars, sums, errors, paths
+    reads, flats, scalars, problems = {}, {}, {}, []
+    for (name, shape, pieces), g in zip(opt.layout(), opt.group_of):
+        per_row = int(np.prod(shape[1:])) if shape else 1
+        for key, (dshape, dtype, tname, crc) in sorted(keys.get(name, {}).items()):
+            path = snapshot.optimizer_state_path(name, key)
+            if dshape == ():
+                value = np.empty((), dtype=dtype)
+                scalars.setdefault((g, key), (value, tname))  # the group's first parameter's
+                owner = pieces[0][0] if pieces else 0
+                reads[path] = DatasetRead(path, (), dtype, crc, tname, [RegionRead((), value, rank == owner)],
+                                          failure=READ_FAILURE)
+                continue
+            if dshape != tuple(shape):
+                problems.append(f"/{path} has shape {dshape}, the parameter {shape}")
+                continue
+            flat = flats.get(key)
+            if flat is None:
+                flat = flats[key] = np.empty(count, dtype=dtype)
+            regions = [RegionRead(fmt.rows(dshape, a, b),
+                                  flat[start:start + (b - a) * per_row].reshape((b - a,) + tuple(shape[1:])))
+                       for r, a, b, start in pieces if r == rank]
+            reads[path] = DatasetRead(path, dshape, dtype, crc, tname, regions, finite="the state",
+                                      failure=READ_FAILURE)
+    for path in header.datasets:  # state that no parameter here has: nothing read, so its checksum fails
+        if path.startswith(STATE_PREFIX) and path not in reads:
+            shape, dtype, attrs = header.datasets[path]
+            reads[path] = DatasetRead(path, tuple(shape), np.dtype(dtype), int(attrs[fmt.CRC_ATTR]),
+                                      attrs[fmt.DTYPE_ATTR], [])
+    return list(reads.values()), flats, scalars, problems
 
 
-def _open_serial(path):
-    import h5py
+READ_FAILURE = "reading the optimizer state"
 
-    return h5py.File(path, "r")
+
+def _check_header(h, opt, path):
+    """Raise CheckpointError if ``h`` does not fit the sharded optimizer ``opt``."""
+    saved = json.loads(h.group_attrs.get(fmt.OPTIMIZER, {}).get("param_groups", "[]"))
+    groups = opt.group_names()
+    if [g.get("params") for g in saved] != groups:
+        raise CheckpointError(
+            f"{path}: the optimizer's parameter groups differ from the checkpoint's (file: "
+            f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: {list(map(len, groups))})",
+            hint="build the optimizer with the same parameter groups as the run that saved it")
+    # A group's shard spans parameters: it can only be filled when each of them has the same state.
+    keys = _state_keys(h)
+    for names in groups:
+        every = {key for name in names for key in keys.get(name, {})}
+        lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
+        if lacking:
+            raise CheckpointError(
+                f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of "
+                f"{', '.join(sorted(every))}, which other parameters of its group have; a sharded run needs "
+                f"the same state for every parameter of a group", hint="resume this checkpoint with comm.shard=none")
 
 
 def load(path, state, comm, parallel, restore_rng=True):
     """Collective: read checkpoint ``path`` (written sharded or not, on any rank count) into a sharded
     ``state``: the whole model on every rank, the optimizer state of this rank's slice only. The same
     :class:`CheckpointError` on every rank before anything changes."""
-    opt = state.optimizer
+    opt, rank = state.optimizer, comm.Get_rank()
 
     def header():
         h = reader.read_header(path)
         snapshot.check_model_against(state.model, h.datasets, path)
-        saved = json.loads(h.group_attrs.get(fmt.OPTIMIZER, {}).get("param_groups", "[]"))
-        groups = opt.group_names()
-        if [g.get("params") for g in saved] != groups:
-            raise CheckpointError(
-                f"{path}: the optimizer's parameter groups differ from the checkpoint's (file: "
-                f"{[len(g.get('params', [])) for g in saved]} parameters per group, now: {list(map(len, groups))})",
-                hint="build the optimizer with the same parameter groups as the run that saved it")
-        # A group's shard spans parameters: it can only be filled when each of them has the same state.
-        keys = _state_keys(h)
-        for names in groups:
-            every = {key for name in names for key in keys.get(name, {})}
-            lacking = [name for name in names if keys and set(keys.get(name, {})) != every]
-            if lacking:
-                raise CheckpointError(
-                    f"{path}: the optimizer state of {', '.join(lacking[:5])} lacks some of "
-                    f"{', '.join(sorted(every))}, which other parameters of its group have; a sharded run needs "
-                    f"the same state for every parameter of a group", hint="resume this checkpoint with comm.shard=none")
+        _check_header(h, opt, path)
         return h
 
     h = on_root(header, comm)
+    # Two plans, read one after the other: the model's rows first, as a replicated load reads them, so a
+    # damaged model is reported alone, before the optimizer state is read.
     arrays = reader.read_arrays(h, comm, parallel, keep=lambda p: not p.startswith(STATE_PREFIX))
-    tensors, scalars, sums, errors, paths = _read_slice(h, opt, comm, parallel)
-    try:
-        agree(errors, comm, h.path, "reading")
-    except CheckpointError as exc:
-        raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
-    found = fmt.combine_checksums(comm.allgather(sums), len(paths))
-    reader.check_checksums(h.path, paths, [int(h.datasets[p][2][fmt.CRC_ATTR]) for p in paths], found)
+    state_reads, flats, scalars, problems = _state_reads(h, opt, rank)
+    reader.read(ReadPlan(h.path, sorted(state_reads, key=lambda d: d.path), parallel, problems=problems,
+                         opening=READ_FAILURE), comm)
+    dtypes = {key: tname for per in _state_keys(h).values() for key, (_, _, tname, _) in per.items()}
+    tensors = {k: snapshot.array_to_tensor(v, dtypes[k]) for k, v in flats.items()}
     typed = {p: (a, h.datasets[p][2][fmt.DTYPE_ATTR]) for p, a in arrays.items()}
 
     def apply():

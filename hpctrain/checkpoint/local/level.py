@@ -2,7 +2,7 @@
 snapshots into storage on each node (``/dev/shm`` by default), between the collective HDF5 checkpoints.
 
 A snapshot is the HDF5 file's plan, kept as it would be written: each rank stores the rows it would write
-(its part, :mod:`.localfiles`) and sends a copy to a rank on the next node, so a part survives the loss of
+(its part, :mod:`.files`) and sends a copy to a rank on the next node, so a part survives the loss of
 its own node. Two snapshots at most are kept per node (the newest complete one, and the one being written);
 the first snapshot says what that costs in memory. A snapshot holding NaN or infinity is refused like a save.
 
@@ -20,15 +20,17 @@ import time
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..runtime import fsutil
-from ..runtime.coordination import all_or_none, everywhere, on_root
-from . import commit, directory, localfiles, snapshot
-from . import format as fmt
-from .interval import AutoInterval
-from .iosettings import io_settings_for
-from .localtransfer import copy_to_partner, gather_parts
-from .plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+from ...errors import CheckpointError
+from ...runtime import fsutil
+from ...runtime.coordination import all_or_none, everywhere, on_root
+from .. import commit, directory
+from ..content import format as fmt
+from ..content import metadata
+from ..content.plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+from ..interval import AutoInterval
+from ..io.iosettings import io_settings_for
+from . import files
+from .transfer import copy_to_partner, gather_parts
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -49,11 +51,11 @@ class LocalLevel:
     def __init__(self, cfg, checkpoint_dir, world, budget_share=0.5):
         self.world, self.comm = world, world.comm.Dup()  # its messages never meet training's
         self.checkpoint_dir = os.path.abspath(checkpoint_dir)
-        self.base = localfiles.base_dir(cfg.local_dir, self.checkpoint_dir)
-        self.ndir = localfiles.node_dir(self.base, world.node)
+        self.base = files.base_dir(cfg.local_dir, self.checkpoint_dir)
+        self.ndir = files.node_dir(self.base, world.node)
         all_or_none(lambda: _check_local_dir(cfg.local_dir, world), self.comm)
         self.nodes = self.comm.allgather(world.node)
-        dests, rank = localfiles.partners(self.nodes), self.comm.Get_rank()
+        dests, rank = files.partners(self.nodes), self.comm.Get_rank()
         self.dest, self.sources = dests[rank], [q for q, d in enumerate(dests) if d == rank]
         self.leader = world.local_rank == 0  # one rank per node tidies the node's directory
         self.every = cfg.local_every_steps
@@ -91,22 +93,22 @@ class LocalLevel:
         write (no space) warns on rank 0, removes the snapshot and turns the level off; NaN or infinity
         raises :class:`~.format.NonFiniteState` on every rank, as a save does."""
         comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
-        info = on_root(lambda: {"meta": snapshot.root_metadata(size, run_config, None, "local", step, "local", size),
-                                "rng": snapshot.rng_states()}, comm)
+        info = on_root(lambda: {"meta": metadata.root_metadata(size, run_config, None, "local", step, "local", size),
+                                "rng": metadata.rng_states()}, comm)
         plan = planner.plan(state, info, True)
         mark_finite(plan)
-        own, where = localfiles.part_path(self.ndir, step, rank), self.world.where()
+        own, where = files.part_path(self.ndir, step, rank), self.world.where()
         error, bad, nbytes = None, [], 0
         try:
-            nbytes, bad = localfiles.write_part(own, plan, rank, step, size, self.checkpoint_dir, self.world.node)
+            nbytes, bad = files.write_part(own, plan, rank, step, size, self.checkpoint_dir, self.world.node)
         except OSError as exc:
             error = f"{where}: writing {own}: {exc}"
         stored, copy_error = copy_to_partner(comm, None if error else own, nbytes, self.dest, self.sources,
-                                             lambda q: localfiles.part_path(self.ndir, step, q), where)
+                                             lambda q: files.part_path(self.ndir, step, q), where)
         outcome = comm.allgather((error or copy_error, bad, nbytes, stored))
         errors = [e for e, _, _, _ in outcome if e]
         if errors or any(b for _, b, _, _ in outcome):
-            shutil.rmtree(localfiles.step_dir(self.ndir, step), ignore_errors=True)
+            shutil.rmtree(files.step_dir(self.ndir, step), ignore_errors=True)
             comm.Barrier()  # every node's copy of this snapshot is gone before anyone goes on
             refuse_nonfinite(plan.datasets, [b for _, b, _, _ in outcome], fmt.checkpoint_name(step))
             self.off = errors[0]
@@ -120,7 +122,7 @@ class LocalLevel:
                   flush=True)
         self.announced = True
         if self.leader:
-            localfiles.remove_steps(self.ndir, lambda s: s >= step)
+            files.remove_steps(self.ndir, lambda s: s >= step)
         self.last_step = step
         return True
 
@@ -131,9 +133,9 @@ class LocalLevel:
         ordinary checkpoint file of the directory; returns its path, or None (then the HDF5 file is the
         newest, and rank 0 has said what an incomplete snapshot cost)."""
         comm, is_root = self.comm, self.comm.Get_rank() == 0
-        seen = localfiles.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
+        seen = files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
         everything = comm.gather(seen, root=0)
-        step, chosen, skipped = on_root(lambda: localfiles.choose(dict(enumerate(everything)), newer_than), comm)
+        step, chosen, skipped = on_root(lambda: files.choose(dict(enumerate(everything)), newer_than), comm)
         if step is None:
             if skipped and is_root:
                 print(_incomplete_line(skipped[0], newer_than), flush=True)
@@ -162,7 +164,7 @@ class LocalLevel:
     def discard_after(self, step):
         """Remove the snapshots newer than ``step`` (the run went on from ``step``: they are another branch)."""
         if self.leader:
-            localfiles.remove_steps(self.ndir, lambda s: s <= step)
+            files.remove_steps(self.ndir, lambda s: s <= step)
         self.comm.Barrier()
 
     def clear(self):

@@ -1,16 +1,18 @@
-"""Reading and verifying checkpoints: the header without the data (:func:`read_header`), every array on every
-rank (:func:`read_arrays`), and, for ``hpctrain ckpt verify``, every checksum in one process
+"""Reading and verifying checkpoints: the header without the data (:func:`read_header`), any
+:class:`~.readplan.ReadPlan` (:func:`read`, the one read path of every load), every array on every rank
+(:func:`read_arrays`), and, for ``hpctrain ckpt verify``, every checksum in one process
 (:func:`verify_file`)."""
 import logging
 
 import numpy as np
 
-from ..runtime.coordination import everywhere
-from ..runtime.flat import bcast_bytes
-from ..errors import CheckpointError
-from . import format as fmt
+from ...runtime.coordination import everywhere
+from ...runtime.flat import bcast_bytes
+from ...errors import CheckpointError
+from ..content import format as fmt
 from .agreement import agree
 from .directio import open_direct_reader
+from ..content.readplan import ReadPlan, plan_shared
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -166,33 +168,70 @@ def exchange(arrays, plan, comm):
                 bcast_bytes(flat[start * rb:stop * rb], r, comm)
 
 
-def _read_pieces(f, paths, arrays, plan, rank, finite=(), dtypes=None):
-    """Read this rank's pieces into ``arrays``; return their checksums (and errors). A piece
-    of a dataset in ``finite`` that holds NaN or infinity is an error."""
-    out, errors = [], []
-    for i, (path, array, pieces) in enumerate(zip(paths, arrays, plan)):
-        rb = fmt.row_bytes(array.shape, array.dtype.itemsize)
-        for r, start, stop in pieces:
-            if r != rank:
-                continue
+def _read_region(f, i, d, region, scratch, errors):
+    """Read one region of dataset ``d`` (index ``i``); return its checksums as :func:`.plan.own_checksums`
+    gives them, where it is ``checked``."""
+    dset = f[d.path]
+    if region.into is None:  # for the checksum alone, a block at a time
+        a, b = region.region[0] if region.region else (0, 1)
+        crc, nbytes, _ = _crc_rows(dset, a, b, d.shape, d.dtype, scratch)
+        return [(i, a * fmt.row_bytes(d.shape, d.dtype.itemsize), nbytes, crc)]
+    part = region.into
+    if part.size:
+        dset.read_direct(part, fmt.slices(region.region) if region.region else None)
+    if d.finite and not fmt.all_finite(part, d.dtype_name):
+        errors.append(f"/{d.path} holds NaN or infinite values ({d.finite} of a run that had diverged)")
+    if not region.checked:
+        return []
+    flat, out, pos = _flat(np.ascontiguousarray(part)), [], 0
+    for offset, nbytes in fmt.runs(d.shape, region.region, d.dtype.itemsize):
+        out.append((i, offset, nbytes, fmt.crc32(flat[pos:pos + nbytes]) if nbytes else 0))
+        pos += nbytes
+    return out
+
+
+def _read_all(f, plan, rank_datasets, errors):
+    """Read this rank's regions of ``plan``: their checksums; a failure is one more entry of ``errors``."""
+    unread = [(d.shape, d.dtype) for d in rank_datasets if any(r.into is None for r in d.regions)]
+    scratch = _scratch(unread) if unread else None
+    sums = []
+    for i, d in enumerate(plan.datasets):
+        for region in d.regions:
             try:
-                dset = f[path]
-                if array.ndim and stop == start:
-                    out.append((i, 0, 0, 0))
-                    continue
-                if array.ndim == 0:
-                    dset.read_direct(array)
-                    part = array
-                else:
-                    dset.read_direct(array, np.s_[start:stop], np.s_[start:stop])
-                    part = array[start:stop]
-                out.append((i, start * rb, part.nbytes, fmt.crc32_bytes(part)))
-                if path in finite and not fmt.all_finite(part, dtypes[path]):
-                    errors.append(f"/{path} holds NaN or infinite values (a parameter or optimizer state "
-                                  f"of a run that had diverged)")
+                sums += _read_region(f, i, d, region, scratch, errors)
             except Exception as exc:
-                errors.append(f"reading /{path}: {type(exc).__name__}: {exc}")
-    return out, errors
+                errors.append(f"{d.failure or 'reading /' + d.path}: {type(exc).__name__}: {exc}")
+    return sums
+
+
+def read(plan, comm):
+    """Collective: carry out the :class:`~.readplan.ReadPlan` ``plan``: open the file (collectively when
+    ``plan.parallel``), read every region into its array, check for NaN and infinity, agree across ranks
+    (every rank raises the same ``plan.error`` naming every rank's problems, or none does), verify the checksums
+    (the same :class:`CheckpointCorrupt` everywhere on a mismatch), then exchange the shared arrays' rows.
+    The arrays are written before the checksums are compared: on an error they hold part of the file."""
+    rank_datasets = [d for d in plan.datasets if d.regions]
+    sums, errors, f = [], list(plan.problems), None
+    if plan.parallel or rank_datasets:
+        try:
+            f = open_for_read(plan.path, comm, plan.parallel)
+        except Exception as exc:
+            errors.append(f"{plan.opening}: {type(exc).__name__}: {exc}")
+        else:
+            sums = _read_all(f, plan, rank_datasets, errors)
+        finally:
+            close_recording(f, errors)
+    try:
+        agree(errors, comm, plan.path, "reading")
+    except CheckpointError as exc:
+        if type(exc) is plan.error:
+            raise
+        raise everywhere(plan.error(str(exc))) from exc
+    if plan.verify:
+        found = fmt.combine_checksums(comm.allgather(sums), len(plan.datasets))
+        check_checksums(plan.path, [d.path for d in plan.datasets], [d.crc for d in plan.datasets], found)
+    shared = [(d.whole, d.shared) for d in plan.datasets if d.shared is not None]
+    exchange([a for a, _ in shared], [p for _, p in shared], comm)
 
 
 def check_checksums(path, paths, expected, found):
@@ -218,34 +257,11 @@ def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
     ranks reads a file, whatever number wrote it. ``into``: ``{path: array}`` of the stored shape and dtype,
     C-contiguous, to read those datasets straight into instead of new arrays (the same paths on every rank).
     They are written before the checksums are compared: on an error they hold part of the file."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    into = into or {}
     paths = sorted(p for p in header.datasets if keep is None or keep(p))
-    arrays = [into[p] if p in into else np.empty(header.datasets[p][0], dtype=np.dtype(header.datasets[p][1]))
-              for p in paths]
-    nreaders = size if parallel else 1
-    plan = fmt.plan_pieces([(a.shape, a.dtype.itemsize) for a in arrays], nreaders)
-    sums, errors, f = [], [], None
-    if parallel or rank == 0:
-        try:
-            f = open_for_read(header.path, comm, parallel)
-            finite = fmt.finite_paths(header.group_attrs, paths) if verify else set()
-            dtypes = {p: header.datasets[p][2][fmt.DTYPE_ATTR] for p in paths}
-            sums, errors = _read_pieces(f, paths, arrays, plan, rank, finite, dtypes)
-        except Exception as exc:
-            errors.append(f"opening: {type(exc).__name__}: {exc}")
-        finally:
-            close_recording(f, errors)
-    try:
-        agree(errors, comm, header.path, "reading")
-    except CheckpointError as exc:
-        raise everywhere(fmt.CheckpointCorrupt(str(exc))) from exc
-    if verify:
-        found = fmt.combine_checksums(comm.allgather(sums), len(paths))
-        expected = [int(header.datasets[p][2][fmt.CRC_ATTR]) for p in paths]
-        check_checksums(header.path, paths, expected, found)
-    exchange(arrays, plan, comm)
-    return {p: a for p, a in zip(paths, arrays)}
+    finite = fmt.finite_paths(header.group_attrs, paths) if verify else set()
+    datasets = plan_shared(header, paths, comm.Get_rank(), comm.Get_size() if parallel else 1, finite, into)
+    read(ReadPlan(header.path, datasets, parallel, verify=verify), comm)
+    return {d.path: d.whole for d in datasets}
 
 
 def _scratch(shapes):

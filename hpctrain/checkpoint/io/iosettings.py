@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Dict
 
-from . import format as fmt
+from ..content import format as fmt
 from .directio import BLOCK
 
 DEFAULT_ALIGNMENT = 1 << 20  # 1 MiB: Lustre's default stripe size, and a divisor of GPFS block sizes

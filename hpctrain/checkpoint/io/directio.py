@@ -15,7 +15,7 @@ import errno
 import mmap
 import os
 
-from ..runtime.fsutil import pwrite_all
+from ...runtime.fsutil import pwrite_all
 
 BLOCK = 4096  # the logical block size O_DIRECT wants offsets, lengths and buffers aligned on, on these disks
 MIN_CHUNK = 1 << 20

@@ -16,8 +16,8 @@ import shutil
 
 import numpy as np
 
-from ..runtime import fsutil
-from . import format as fmt
+from ...runtime import fsutil
+from ..content import format as fmt
 
 MAGIC = b"HPCTRAIN-LOCAL1\n"
 END = b"HPCTEND1"

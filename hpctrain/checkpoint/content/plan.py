@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..runtime.coordination import everywhere
-from ..runtime.fsutil import TMP_MARK
+from ...runtime.coordination import everywhere
+from ...runtime.fsutil import TMP_MARK
 from . import format as fmt
 
 

@@ -7,7 +7,7 @@ import math
 import re
 import zlib
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 FORMAT_NAME = "hpctrain-checkpoint"
 FORMAT_VERSION = 2

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
-from ..runtime import fsutil
-from . import format as fmt
-from . import localfiles
+from ...runtime import fsutil
+from ..content import format as fmt
+from . import files
 
 CHUNK_BYTES = 1 << 26  # per MPI message: well under the 2 GiB a count of bytes can say
 _SIZE, _DATA, _META = 7101, 7102, 7103  # message tags
@@ -91,7 +91,7 @@ def gather_parts(comm, chosen):
         if full is None:
             specs = {k: meta[k] for k in ("datasets", "root_attrs", "group_attrs")}
             full = [np.empty(tuple(d["shape"]), dtype=np.dtype(d["dtype"])) for d in meta["datasets"]]
-        for i, region, raw in localfiles.pieces(meta, data):
+        for i, region, raw in files.pieces(meta, data):
             full[i][fmt.slices(region)] = raw.view(full[i].dtype).reshape(tuple(b - a for a, b in region))
     return (None if problem else full), specs, problem
 
@@ -99,9 +99,9 @@ def gather_parts(comm, chosen):
 def _read(path):
     """``(description, bytes)`` of a part whose checksums hold, or ``(what is wrong, None)``."""
     try:
-        meta = localfiles.read_trailer(path)
-        return meta, localfiles.read_data(path, meta)
-    except localfiles.PartDamaged as exc:
+        meta = files.read_trailer(path)
+        return meta, files.read_data(path, meta)
+    except files.PartDamaged as exc:
         return str(exc), None
 
 
