@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkpoint_files import tensors
+from checkpoint_files import latest_step, tensors
 from mpi_harness import PYTHON, ROOT, mpi_env, mpirun
 
 pytestmark = [pytest.mark.mpi]
@@ -198,15 +198,19 @@ def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, ref
     assert_same_training(tmp_path, reference)
 
 
-def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path, digits, wrapper):
-    """SIGUSR1 to the supervisor (as Slurm's warning signal to the batch script): the ranks save
-    and exit 3, and the supervisor exits 3 without relaunching, so that a job script can requeue."""
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path, digits, wrapper, sig):
+    """SIGUSR1 (Slurm's warning signal to the batch script) or SIGTERM (scancel, a job's end) to the
+    supervisor: the ranks save the step they stopped at, nothing trained is lost (no periodic save
+    would have caught it), and the supervisor exits 3 without relaunching, so that a job script can
+    requeue."""
     import time
 
     order_dir = tmp_path / "order"
     order_dir.mkdir()
     cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
-           *overrides(tmp_path / "run", digits), "train.max_steps=0"]
+           *overrides(tmp_path / "run", digits), "train.max_steps=0", "checkpoint.every_steps=0",
+           "checkpoint.on_epoch_end=false"]
     env = mpi_env({"SUPERVISED_ORDER": str(order_dir), "SUPERVISED_STEP_SLEEP": "0.2"})
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -214,12 +218,15 @@ def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         while not list(order_dir.glob("rank-*.jsonl")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     print(out[-3000:])
     assert proc.returncode == 3, out[-6000:]
-    assert "stopped by signal 10 (passed on to the ranks): not restarted; exit status 3" in out
-    assert "stop requested: saving at step" in out and "relaunching" not in out
+    assert (f"stopped by signal {int(sig)} (passed on to the ranks as a request to save and stop): not "
+            f"restarted; exit status 3") in out
+    assert "relaunching" not in out
+    step = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
+    assert step > 0 and latest_step(tmp_path / "run")[0] == step, out[-3000:]

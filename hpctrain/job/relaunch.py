@@ -5,8 +5,9 @@ from the newest checkpoint (``checkpoint.resume=auto``). When a launch fails, th
 records (``RUN_DIR/failures.jsonl``) and, for a rank killed by a signal, which writes nothing,
 what mpirun or srun printed say what failed (:mod:`.diagnosis`). Then:
 
-* exit status 0: done; 3 (a requested stop, e.g. Slurm's warning signal): passed on, not
-  restarted, so that a job script can requeue; 2 (bad input) and 5 (diverged): not restarted,
+* exit status 0: done; 3 (a requested stop, e.g. Slurm's warning signal or SIGTERM to the supervisor,
+  which the ranks get as SIGUSR1: save, then stop): passed on, not restarted, so that a job
+  script can requeue; 2 (bad input) and 5 (diverged): not restarted,
   the same run would fail the same way; it says so and exits with that status;
 * anything else (an exception on one rank, a rank killed, a hang the watchdog ended, exit 4) is relaunched, at
   most ``--max-restarts`` times: without the failed node when the job spans several (``srun --exclude``, or an
@@ -162,13 +163,17 @@ class Supervisor:
         self.stop_signal = None  # a signal we were sent: passed on, and no relaunch after it
         self.child = None
 
-    # -- signals: Slurm's warnings and Ctrl-C go to the ranks, and end the supervision
+    # -- signals: Slurm's warning, its end-of-job SIGTERM and SIGINT end the supervision. The first reaches the
+    # ranks as SIGUSR1, which mpirun (and srun) pass on untouched and the ranks take as "save, then stop"
+    # (exit 3): SIGTERM itself makes mpirun kill them at once (odls_base_sigkill_timeout 0, set so that a
+    # relaunch is quick), with nothing saved. A second signal goes on as it is: whoever sends it insists.
     def _forward(self, signum, frame):
+        first = self.stop_signal is None
         self.stop_signal = signum
         child = self.child
         if child is not None and child.poll() is None:
             try:
-                child.send_signal(signum)
+                child.send_signal(signal.SIGUSR1 if first else signum)
             except OSError:
                 pass
 
@@ -213,8 +218,8 @@ class Supervisor:
                 failed = lost_node(p, failed, hosts, slurm.environment(self.environ)["slurm_job_id"])
             if self.stop_signal is not None:
                 status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
-                say(f"stopped by signal {self.stop_signal} (passed on to the ranks): not restarted; "
-                    f"exit status {status}")
+                say(f"stopped by signal {self.stop_signal} (passed on to the ranks as a request to save and "
+                    f"stop): not restarted; exit status {status}")
                 return status
             if not failed.restartable:
                 return self._no_restart(failed)
