@@ -1,10 +1,11 @@
 """The node-local checkpoint level with real ranks (mpirun): random SIGKILLs resume bit for bit from it
 (synchronous and background HDF5 saves); a part that is lost or damaged sends the run back to the HDF5 file,
 saying the steps it costs; a sharded run's snapshot becomes the very file an HDF5 save would have written, and
-resumes on fewer ranks. The loss of a node, with a part recovered from its partner's copy, is in
-test_slurm_multinode.py."""
+resumes on fewer ranks; two ranks as two nodes, one node's part recovered from its copy on the other (on real
+nodes under Slurm: test_slurm_multinode.py)."""
 import random
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -23,8 +24,11 @@ RECOVERED = re.compile(r"hpctrain: recovered step (\d+) from the node-local chec
                        r"\(the newest HDF5 checkpoint is of step (\d+)\)")
 
 
-def run(directory, local_dir, env=None, async_save=False, ranks=2):
-    args = [SCRIPTS / "fail_inject.py", SCRIPTS / "ckpt_train.py", directory, STEPS, "every_steps=10",
+def run(directory, local_dir, env=None, async_save=False, ranks=2, nodes=None):
+    """``nodes``: the node each rank stands on (``SLURMD_NODENAME``, through tests/mpi/as_node.py)."""
+    env = dict(env or {}, **({"NODES": ",".join(nodes)} if nodes else {}))
+    args = ([SCRIPTS / "as_node.py"] if nodes else []) + [
+            SCRIPTS / "fail_inject.py", SCRIPTS / "ckpt_train.py", directory, STEPS, "every_steps=10",
             "local_every=3", f"local_dir={local_dir}", "resume=auto"] + (["async_save=1"] if async_save else [])
     return mpirun(ranks, args, timeout=RUN_TIMEOUT, env=env, fresh=True)
 
@@ -78,6 +82,30 @@ def killed_after_a_snapshot(tmp_path, local):
     assert sorted(p.name for p in node.iterdir()) == ["step-00000016"]
     assert sorted(p.name for p in (node / "step-00000016").iterdir()) == ["part-00000.bin", "part-00001.bin"]
     return parts, node / "step-00000016"
+
+
+def test_a_lost_nodes_part_comes_from_its_copy_on_the_next_node(tmp_path):
+    """Two ranks on two nodes (as slurmd names them): each snapshot's part is also copied to the next node, so
+    with rank 1's node gone (its directory removed after a kill) the resume takes that part from the copy and
+    ends where an uninterrupted run ends. (On real nodes under Slurm: test_slurm_multinode.py.)"""
+    local, nodes = tmp_path / "local", ("nodeA", "nodeB")
+    local.mkdir()
+    parts = tmp_path / "parts"
+    killed = run(parts, local, env={"FAIL_RANK": "1", "FAIL_AT": "backward:18", "FAIL_ACTION": "kill"}, nodes=nodes)
+    assert killed.returncode != 0, killed.output[-3000:]
+    (key,) = local.iterdir()
+    assert sorted(p.name for p in key.iterdir()) == list(nodes)
+    on_a = key / "nodeA" / "step-00000016"
+    assert sorted(p.name for p in on_a.iterdir()) == ["part-00000.bin", "part-00001.bin"]  # its own, B's copy
+    shutil.rmtree(key / "nodeB")
+    resumed = run(parts, local, nodes=nodes).check()
+    assert re.search(r"hpctrain: recovered step 16 from the node-local checkpoints on nodeA \(the newest HDF5 "
+                     r"checkpoint is of step 10\), .*; the part\(s\) of rank\(s\) 1 from their copies",
+                     resumed.stdout), resumed.output[-3000:]
+    assert "DONE step 30" in resumed.stdout
+    whole = tmp_path / "whole"
+    run(whole, tmp_path / "local", nodes=nodes).check()
+    assert_same_final(whole, parts)
 
 
 @pytest.mark.parametrize("loss", ["deleted", "damaged"])
