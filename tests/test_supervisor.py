@@ -3,6 +3,7 @@ from mpirun 4.1, srun's as Slurm prints it), the diagnosis, the relaunch decisio
 out, --shrink, --min-ranks, the global batch), the failure records and the report's lines.
 The real launches are in test_supervisor_mpi.py."""
 import json
+import os
 
 import pytest
 
@@ -279,6 +280,8 @@ def test_stop_on_request_is_passed_on_and_divergence_is_not_restarted(tmp_path, 
 
 def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):  # as the suite's launches have them
+        monkeypatch.setenv(name, "1")
     assert launch.main(["examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "-n RANKS was not given" in err and "not started" in err
@@ -286,6 +289,17 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
     assert "train.nope" in capsys.readouterr().err
     assert launch.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
     assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
+    assert launch.main(["-n", "0", "examples/digits.toml"]) == 2
+    assert "-n 0: the ranks to start must be at least 1" in capsys.readouterr().err
+    if os.geteuid() == 0:  # Open MPI's refusal, said before a launch that would only repeat it
+        monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", raising=False)
+        assert launch.main(["-n", "2", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert "running as root" in err and "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in err
+        assert launch.main(["-n", "4", "--mpirun-args=--allow-run-as-root", "examples/digits.toml",
+                            "train.global_batch_size=30"]) == 2  # allowed: the next check speaks
+        assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert launch.main(["-n", "2", "examples/digits.toml"]) == 2
     assert "mpirun is not on PATH" in capsys.readouterr().err

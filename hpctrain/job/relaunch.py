@@ -96,6 +96,12 @@ class LaunchPlan:
         return os.path.join(self.run_dir, rundir.METRICS_FILE)
 
 
+def _root_allowed(env, extra):
+    """Whether mpirun will start ranks as root: its option, or both of its variables."""
+    return "--allow-run-as-root" in extra or all(env.get(v) == "1" for v in ("OMPI_ALLOW_RUN_AS_ROOT",
+                                                                             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))
+
+
 def make_plan(args, environ=None):
     """Everything a launch needs, checked before anything starts (ConfigError on bad input)."""
     env = os.environ if environ is None else environ
@@ -105,6 +111,9 @@ def make_plan(args, environ=None):
         raise ConfigError(f"training script {args.config} does not exist",
                           hint="give the path of a Python script (relative to the working directory), "
                                "or a TOML configuration")
+    if args.n is not None and args.n < 1:
+        raise ConfigError(f"-n {args.n}: the ranks to start must be at least 1",
+                          hint="e.g. hpctrain launch -n 2 CONFIG")
     extra = shlex.split(args.launcher_args or "")
     use_srun = args.launcher == "srun" or (args.launcher == "auto" and slurm.in_allocation(env))
     hosts = None
@@ -132,6 +141,11 @@ def make_plan(args, environ=None):
         raise ConfigError(f"--exclude {','.join(excluded)}: leaving nodes out needs srun in an allocation of "
                           f"several nodes, with some left (nodes here: {', '.join(hosts or []) or 'one'})",
                           hint="drop --exclude, or name nodes of this allocation")
+    if isinstance(launcher, Mpirun) and os.geteuid() == 0 and not _root_allowed(env, extra):
+        # mpirun refuses at once, every time: relaunching would only repeat it
+        raise ConfigError("running as root, and Open MPI's mpirun refuses to start ranks as root unless told to",
+                          hint="run as an ordinary user, or export OMPI_ALLOW_RUN_AS_ROOT=1 "
+                               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or --mpirun-args=--allow-run-as-root)")
     if shutil.which(launcher.name, path=env.get("PATH")) is None:
         raise ConfigError(f"{launcher.name} is not on PATH: cannot start the ranks",
                           hint="load the MPI (or Slurm) module that hpctrain was built against, e.g. "
