@@ -202,15 +202,17 @@ def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, ref
 def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path, digits, wrapper, sig):
     """SIGUSR1 (Slurm's warning signal to the batch script) or SIGTERM (scancel, a job's end) to the
     supervisor: the ranks save the step they stopped at, nothing trained is lost (no periodic save
-    would have caught it), and the supervisor exits 3 without relaunching, so that a job script can
-    requeue."""
+    would have caught it), no node-local snapshot is left in node memory, and the supervisor exits 3
+    without relaunching, so that a job script can requeue."""
     import time
 
     order_dir = tmp_path / "order"
     order_dir.mkdir()
+    (tmp_path / "local").mkdir()
     cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
            *overrides(tmp_path / "run", digits), "train.max_steps=0", "checkpoint.every_steps=0",
-           "checkpoint.on_epoch_end=false"]
+           "checkpoint.on_epoch_end=false", "checkpoint.local=true", "checkpoint.local_every_steps=2",
+           f"checkpoint.local_dir={tmp_path / 'local'}"]
     env = mpi_env({"SUPERVISED_ORDER": str(order_dir), "SUPERVISED_STEP_SLEEP": "0.2"})
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -230,3 +232,5 @@ def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path
     assert "relaunching" not in out
     step = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
     assert step > 0 and latest_step(tmp_path / "run")[0] == step, out[-3000:]
+    # the node-local snapshots go with the stop: the HDF5 file of the same step holds what they held
+    assert not [p for p in (tmp_path / "local").rglob("*") if p.is_file()], out[-3000:]
