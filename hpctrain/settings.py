@@ -25,7 +25,8 @@ The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN
 (``slurm/*.sbatch``); each is described where it is read.
 
 Other programs' variables that hpctrain only reads, read here too (:func:`mca`, :func:`horovod`,
-:func:`loaded_modules`): ``OMPI_MCA_odls_base_sigkill_timeout`` (``job.launchers``: the user's own grace
+:func:`loaded_modules`, :func:`mpirun_root_allowed`): ``OMPI_ALLOW_RUN_AS_ROOT{,_CONFIRM}`` (``job.relaunch``:
+mpirun starts no rank as root without both), ``OMPI_MCA_odls_base_sigkill_timeout`` (``job.launchers``: the user's own grace
 before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
 (``backends.horovod_backend``: process sets added to a running Horovod) and ``LOADEDMODULES``
 (``commands.doctor``: the modules loaded now, against the site installation's).
@@ -65,6 +66,13 @@ def get_bool(name, default=False, environ=None):
 def mca(param, environ=None):
     """Open MPI's MCA parameter ``param`` as the environment sets it (``OMPI_MCA_<param>``), or None."""
     return (os.environ if environ is None else environ).get("OMPI_MCA_" + param)
+
+
+def mpirun_root_allowed(environ=None):
+    """Whether Open MPI's variables let mpirun start ranks as root (both ``OMPI_ALLOW_RUN_AS_ROOT`` and
+    ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM`` set to 1)."""
+    env = os.environ if environ is None else environ
+    return all(env.get(v) == "1" for v in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))
 
 
 def horovod(key, environ=None):

@@ -98,8 +98,7 @@ class LaunchPlan:
 
 def _root_allowed(env, extra):
     """Whether mpirun will start ranks as root: its option, or both of its variables."""
-    return "--allow-run-as-root" in extra or all(env.get(v) == "1" for v in ("OMPI_ALLOW_RUN_AS_ROOT",
-                                                                             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))
+    return "--allow-run-as-root" in extra or settings.mpirun_root_allowed(env)
 
 
 def make_plan(args, environ=None):
