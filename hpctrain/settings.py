@@ -25,9 +25,9 @@ The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN
 (``slurm/*.sbatch``); each is described where it is read.
 
 Other programs' variables that hpctrain only reads, read here too (:func:`mca`, :func:`horovod`,
-:func:`loaded_modules`, :func:`mpirun_root_allowed`): ``OMPI_ALLOW_RUN_AS_ROOT{,_CONFIRM}`` (``job.relaunch``:
-mpirun starts no rank as root without both), ``OMPI_MCA_odls_base_sigkill_timeout`` (``job.launchers``: the user's own grace
-before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
+:func:`loaded_modules`, :func:`mpirun_root_allowed`): ``{OMPI,PRTE}_ALLOW_RUN_AS_ROOT{,_CONFIRM}``
+(``job.relaunch``: mpirun starts no rank as root without both), ``OMPI_MCA_odls_base_sigkill_timeout``
+(``job.launchers``: the user's own grace before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
 (``backends.horovod_backend``: process sets added to a running Horovod) and ``LOADEDMODULES``
 (``commands.doctor``: the modules loaded now, against the site installation's).
 
@@ -69,10 +69,10 @@ def mca(param, environ=None):
 
 
 def mpirun_root_allowed(environ=None):
-    """Whether Open MPI's variables let mpirun start ranks as root (both ``OMPI_ALLOW_RUN_AS_ROOT`` and
-    ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM`` set to 1)."""
+    """Whether Open MPI's variables let mpirun start ranks as root: ``OMPI_ALLOW_RUN_AS_ROOT`` and
+    ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM`` both 1 (or, for Open MPI 5's launcher, ``PRTE_`` instead of ``OMPI_``)."""
     env = os.environ if environ is None else environ
-    return all(env.get(v) == "1" for v in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"))
+    return any(all(env.get(f"{p}_ALLOW_RUN_AS_ROOT{s}") == "1" for s in ("", "_CONFIRM")) for p in ("OMPI", "PRTE"))
 
 
 def horovod(key, environ=None):

@@ -299,6 +299,10 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
         assert launch.main(["-n", "4", "--mpirun-args=--allow-run-as-root", "examples/digits.toml",
                             "train.global_batch_size=30"]) == 2  # allowed: the next check speaks
         assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
+        for name in ("PRTE_ALLOW_RUN_AS_ROOT", "PRTE_ALLOW_RUN_AS_ROOT_CONFIRM"):  # Open MPI 5's launcher
+            monkeypatch.setenv(name, "1")
+        assert launch.main(["-n", "4", "examples/digits.toml", "train.global_batch_size=30"]) == 2
+        assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
         monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     monkeypatch.setenv("PATH", str(tmp_path))
     assert launch.main(["-n", "2", "examples/digits.toml"]) == 2
