@@ -173,6 +173,16 @@ def test_async_interval_at_least_the_background_write():
     assert (auto.steps, auto.why) == (50, "async_write") and "background write 1 s" in auto.changes[-1]
 
 
+def test_no_save_is_due_while_a_background_write_is_in_flight():
+    # the interval is over, but the last write is not durable yet: a save started now would block
+    # training until it is, for an older step than the first one after it
+    auto = measured(AutoInterval(max_overhead=0.1), step=0.02, save=0.01)
+    auto.call_ended(1.0, 10)
+    assert not auto.due_at(40, 1.6, last_saved_step=10, writing=True)
+    assert auto.due_at(41, 1.62, last_saved_step=10, written=0.5)
+    assert auto.write_time == 0.5  # what the write took was taken in once durable
+
+
 def test_interval_model_of_docs_performance():
     """benchmarks/interval_model.py (the table of docs/performance.md): deterministic, the
     auto interval is Young's, and under its assumptions it finishes no later than a fixed one."""

@@ -12,7 +12,8 @@ saves excluded):
 With both, the more frequent wins: the budget says what saving may cost, Young/Daly when saving less often
 would lose more work to failures than it saves in cost. With ``async_save`` the interval is at least as long
 as a background write takes (W, measured too): a save that starts earlier waits for the previous one, and that
-wait is cost. ``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
+wait is cost. While a background write is still in flight no save is due: started then, it would block
+training until the write ends and hold an older step than one started after it. ``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
 
 C is the mean of the last few saves (a budget pays the slow ones too), T the median of the last steps. After
 each save (when C has a new sample) the interval is re-tuned if the one the estimates call for is longer than
@@ -101,9 +102,10 @@ class AutoInterval:
             self._blocked = blocked
         self._mark = (when, step)
 
-    def due_at(self, step, now, last_saved_step, written=None):
+    def due_at(self, step, now, last_saved_step, written=None, writing=False):
         """Rank 0 at the manager's call at ``step``: feed what was measured since the last call
-        (``written``: a background write's seconds, once durable); is a save due?"""
+        (``written``: a background write's seconds, once durable); is a save due? Not while ``writing``
+        (a background write is in flight)."""
         if self._blocked is not None:
             self.observe_save(self._blocked)
             self._blocked = None
@@ -113,6 +115,8 @@ class AutoInterval:
             self.observe_step(now - self._mark[0], step - self._mark[1])
         if self._first_step is None:
             self._first_step = step
+        if writing:
+            return False
         return self.due(step - (last_saved_step if last_saved_step is not None else self._first_step))
 
     # -- the rules

@@ -183,7 +183,7 @@ def _io_settings(path, cfg):
 def _auto_due(interval, background, step, now, last_saved_step):
     """Rank 0: is the interval the estimator chose over? Its changes of interval are said."""
     written, background.written = background.written, None
-    due = interval.due_at(step, now, last_saved_step, written)
+    due = interval.due_at(step, now, last_saved_step, written, writing=background.saving)
     for line in interval.changes:
         print(f"hpctrain: {line}", flush=True)
     interval.changes.clear()
