@@ -16,6 +16,8 @@ HPCTRAIN_FAILURE_FILE      a file each failing rank appends one JSON line    uns
                            exit status, error, step)                                      it: ``RUN_DIR/failures.jsonl``)
 HPCTRAIN_MALLOC            ``reuse``: glibc keeps large blocks for reuse     unset        ``runtime.allocator``
                            (faster steps, more memory kept)
+HPCTRAIN_LOST_NODES        nodes of this Slurm job found lost (commas): a    unset        ``job.runlock`` (the
+                           run lock held there is stale                                   standby sets it)
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``

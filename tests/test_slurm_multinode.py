@@ -196,20 +196,24 @@ def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_
 
 # ---------------------------------------------------------------- the first node lost
 def assert_taken_over(cluster, tmp_path, job, steps):
-    """The standby on another node took over from n1 and finished the run; the job was ended, not left
-    holding its nodes. Returns the takeover and job_end records."""
+    """The standby on another node took over from n1 and finished the run; the job was ended as its script would
+    have ended it (COMPLETED, exit code 0), not left holding its nodes. Returns the takeover and job_end records."""
     (record,) = cluster.wait(job, JOB_TIMEOUT)
     run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
     log = (run_dir / f"standby-{job}.out").read_text()
     print(log[-5000:])
-    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", f"{record}\n{log[-5000:]}"
-    assert re.search(r"Slurm took the batch host n1 out of job \d+ \(last step \d+", log), \
-        log[-5000:] + cluster.log_tail(40)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "0", \
+        f"{record}\n{log[-5000:]}"
+    # found by the standby's own knock at n1's slurmd, not by waiting for Slurm to take n1 out of the job
+    assert re.search(r"n1's slurmd at [\d.]+:\d+ answers", log), log[-5000:]
+    assert re.search(r"the batch host is lost: n1 stopped answering \(\d+ s without its slurmd\) \(last step \d+",
+                     log), log[-5000:] + cluster.log_tail(40)
     assert re.search(r"starting 2 rank\(s\): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 --exclude=n1 -N 2 --overlap",
                      log), log[-5000:]
     (takeover,) = records(run_dir, "takeover")
     (end,) = records(run_dir, "job_end")
     assert takeover["lost"] == "n1" and takeover["host"] in ("n2", "n3") and takeover["ranks"] == 2, takeover
+    assert takeover["noticed"].startswith("n1 stopped answering"), takeover
     assert end["status"] == 0 and end["by"] == "standby" and end["stood_still_s"] > 0, end
     last_start = records(run_dir, "start")[-1]
     assert sorted(last_start["hosts"]) == ["n2", "n3"], last_start
@@ -221,7 +225,8 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     after = [r["step"] for r in records(run_dir, "train") if r["timestamp"] > takeover["timestamp"]]
     assert after and 1 < after[0] <= takeover["last_step"] + 1, (after[:3], takeover)
     report = cluster.run([PYTHON, "-m", "hpctrain", "report", run_dir], timeout=120)
-    assert "first node lost: Slurm took n1" in report.stdout and "training stood still" in report.stdout, \
+    assert "first node lost (n1: job script, supervisor): n1 stopped answering" in report.stdout \
+        and "training stood still" in report.stdout, \
         report.stdout
     return takeover, end
 

@@ -2,6 +2,9 @@
 when the first node is lost, the job script's view it gives the supervisor, `hpctrain launch --exclude`,
 and a run lock held on a node Slurm took out of the job. The real takeover (a 3-node Slurm cluster, n1
 killed or cut off) is in test_slurm_multinode.py."""
+import socket
+import threading
+
 import pytest
 
 from hpctrain.commands import launch
@@ -50,10 +53,64 @@ def test_report_says_the_first_node_was_lost_and_how_long_training_stood_still()
     records = [{"kind": "start", "timestamp": 0.0, "hosts": ["n1", "n2", "n3"]},
                {"kind": "train", "step": 9, "steps": 9, "loss": 1.0, "timestamp": 1.0},
                {"kind": "takeover", "host": "n2", "lost": "n1", "last_step": 9, "seconds_since_last_step": 30.0,
-                "ranks": 2, "timestamp": 31.0},
+                "ranks": 2, "timestamp": 31.0},  # as an older standby wrote it: Slurm's view alone
+               {"kind": "takeover", "host": "n3", "lost": "n2", "noticed": "n2 stopped answering (10 s without its "
+                "slurmd)", "last_step": 20, "seconds_since_last_step": 11.0, "ranks": 1, "timestamp": 50.0},
                {"kind": "job_end", "by": "standby", "host": "n2", "status": 0, "stood_still_s": 41.7,
                 "timestamp": 60.0}]
     text = format_summary(summarize(records))
-    assert ("first node lost: Slurm took n1 (job script, supervisor) out of the job after step 9; the standby on "
-            "n2 relaunched 2 rank(s)") in text
+    assert ("first node lost (n1: job script, supervisor): Slurm took n1 out of the job, after step 9; the standby "
+            "on n2 relaunched 2 rank(s)") in text
+    assert ("first node lost (n2: job script, supervisor): n2 stopped answering (10 s without its slurmd), after "
+            "step 20; the standby on n3 relaunched 1 rank(s)") in text
     assert "the standby on n2 ended the job: status 0, training stood still 41.7 s" in text
+
+
+@pytest.mark.parametrize("lost, verdict", [("n1", "this job's standby found n1 lost"), ("n3", None), ("", None)])
+def test_a_lock_on_a_node_the_standby_found_lost_is_stale(monkeypatch, lost, verdict):
+    monkeypatch.setattr(slurm, "left_allocation", lambda node, job: False)  # Slurm has not noticed yet
+    monkeypatch.setattr(slurm, "step_active", lambda step: True)
+    monkeypatch.setenv("HPCTRAIN_LOST_NODES", lost)
+    holder = {"slurm_job": "9", "slurm_step": "9.1", "slurm_restart": 0, "slurm_node": "n1", "host": "n1",
+              "pid": 123}
+    me = {"slurm_job": "9", "slurm_step": "9.2", "slurm_restart": 0, "slurm_node": "n2", "host": "n2"}
+    assert runlock.stale_reason(holder, me) == verdict
+    other_job = dict(holder, slurm_job="8")  # another job's lock is never this standby's to judge
+    monkeypatch.setattr(slurm, "job_active", lambda job: True)
+    assert runlock.stale_reason(other_job, me) is None
+
+
+def _listener():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    return server
+
+
+def test_the_standby_takes_over_once_the_batch_host_stops_answering(monkeypatch, capsys):
+    """A real TCP listener stands for the batch host's slurmd: answered, then closed (the node died)."""
+    monkeypatch.setattr(slurm, "job_nodes", lambda job: ["n1", "n2"])  # Slurm still lists the node
+    server = _listener()
+    address = server.getsockname()
+    threading.Timer(0.2, server.close).start()  # the node dies after a few knocks
+    how = standby.wait_for_loss("n1", "9", poll=0.05, address=address, grace=0.3, heartbeat=0.05)
+    assert how.startswith("n1 stopped answering") and "without its slurmd" in how
+    assert f"n1's slurmd at 127.0.0.1:{address[1]} answers" in capsys.readouterr().out
+
+
+def test_a_slurmd_never_reached_leaves_the_standby_to_slurm(monkeypatch, capsys):
+    server = _listener()
+    address = server.getsockname()
+    server.close()  # nothing listens there: never answered (a firewall), so silence proves nothing
+    looks = []
+    monkeypatch.setattr(slurm, "job_nodes",
+                        lambda job: looks.append(job) or (["n1", "n2"] if len(looks) < 8 else ["n2"]))
+    how = standby.wait_for_loss("n1", "9", poll=0.01, address=address, grace=0.05, heartbeat=0.02)
+    assert how == "Slurm took n1 out of job 9"
+    assert "cannot reach n1's slurmd" in capsys.readouterr().out
+
+
+def test_the_standby_ends_with_the_job(monkeypatch):
+    monkeypatch.setattr(slurm, "job_nodes", lambda job: None)
+    monkeypatch.setattr(slurm, "job_active", lambda job: False)
+    assert standby.wait_for_loss("n1", "9", poll=0.01, address=None) is None

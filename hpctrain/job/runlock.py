@@ -44,6 +44,7 @@ import secrets
 import socket
 import time
 
+from .. import settings
 from ..errors import HpctrainError
 from ..runtime import fsutil, slurm
 from ..runtime.system import proc_state
@@ -72,6 +73,11 @@ def _owner(environ=None):
             "slurm_node": slurm.slurmd_node(environ), "host": socket.gethostname(), "pid": os.getpid(),
             "proc_start": proc_state(os.getpid())[1], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "token": secrets.token_hex(8)}
+
+
+def _lost_nodes(environ=None):
+    """The nodes this job's standby found lost (``HPCTRAIN_LOST_NODES``, comma-separated)."""
+    return [n for n in (settings.get("LOST_NODES", "", environ) or "").split(",") if n]
 
 
 def _pid_alive(pid, proc_start=None):
@@ -105,6 +111,8 @@ def stale_reason(holder, me):
         if holder.get("slurm_step") == me.get("slurm_step"):
             return f"same Slurm job {job} and step (restarted)"
         node = holder.get("slurm_node")
+        if node and node != me.get("slurm_node") and node in _lost_nodes():
+            return f"this job's standby found {node} lost"  # before Slurm does (hpctrain.job.standby)
         if node and node != me.get("slurm_node") and slurm.left_allocation(node, job):
             # a --no-kill job that lost the node: nothing of this job runs there for Slurm any more
             return f"Slurm took {node} out of job {job}"

@@ -9,12 +9,18 @@ starts this standby as a one-task step on another node::
         --tasks $SLURM_NTASKS --tasks-per-node $SLURM_TASKS_PER_NODE --run-dir RUN_DIR \\
         --log RUN_DIR/standby-JOB.out -- [hpctrain launch arguments ...]
 
-It asks Slurm every ``--poll`` seconds which nodes the job holds. Once Slurm has taken the batch host out of
-the job (after its ``SlurmdTimeout``; the batch step is gone then, so two supervisors never run at once), it
-runs ``hpctrain launch --exclude BATCH_HOST`` with the same arguments on the nodes left: the ranks resume from
-the newest checkpoint. When that supervisor ends, the standby ends the job (``scancel``), so that no
-allocation is held idle; a ``takeover`` and a ``job_end`` record in ``metrics.jsonl`` say what happened and
-how long training stood still. A job that ends normally ends this step with it."""
+It knocks at the batch host's slurmd every ``--heartbeat`` seconds (a TCP connection to NodeAddr:SlurmdPort,
+which compute nodes reach for Slurm's own message fan-out) and asks Slurm every ``--poll`` seconds which nodes
+the job holds. The batch host is lost when its slurmd has taken no connection for ``--grace`` seconds (dead:
+refused or unreachable; cut off: no answer), or once Slurm takes it out of the job (after its
+``SlurmdTimeout``, 300 s by default): whichever comes first. Then it runs ``hpctrain launch --exclude BATCH_HOST``
+with the same arguments on the nodes left, telling the ranks (``HPCTRAIN_LOST_NODES``) that the lost node's
+run lock is stale: the ranks resume from the newest checkpoint. When that supervisor ends, the standby ends the
+job as its job script would have (COMPLETED or FAILED, by the supervisor's exit status), so that no allocation is
+held idle and ``afterok`` dependencies fire; a ``takeover`` and a ``job_end`` record in
+``metrics.jsonl`` say what happened and how long training stood still. A job that ends normally ends this
+step with it. The knock is armed once it has been answered: a slurmd this node cannot reach from the start
+(a firewall) leaves the standby to Slurm's view alone, and it says so."""
 import argparse
 import os
 import shutil
@@ -24,12 +30,15 @@ import subprocess
 import sys
 import time
 
+from .. import settings
 from ..runtime import slurm
 from ..runtime.coordination import read_records
 from . import rundir
 
 _NAME = "hpctrain standby"
-POLL_SECONDS = 5.0
+POLL_SECONDS = 5.0  # between two squeue calls: slurmctld answers every job's standby
+HEARTBEAT_SECONDS = 2.0  # between two knocks at the batch host's slurmd (and each knock's timeout)
+GRACE_SECONDS = 10.0  # of silence before the batch host counts as lost: a slurmd restart takes less
 
 
 def _say(text):
@@ -45,7 +54,12 @@ def build_parser():
     parser.add_argument("--run-dir", required=True, help="the run directory (records go to its metrics.jsonl)")
     parser.add_argument("--log", default=None, help="append this process's and the supervisor's output to this "
                                                      "file itself (not through Slurm's I/O, which goes with srun)")
-    parser.add_argument("--poll", type=float, default=POLL_SECONDS, help="seconds between two looks (default 5)")
+    parser.add_argument("--poll", type=float, default=POLL_SECONDS,
+                        help="seconds between two questions to Slurm (default 5)")
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT_SECONDS,
+                        help="seconds between two knocks at the batch host's slurmd (default 2)")
+    parser.add_argument("--grace", type=float, default=GRACE_SECONDS,
+                        help="seconds the batch host may not answer before the standby takes over (default 10)")
     parser.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the arguments of hpctrain launch")
     return parser
 
@@ -68,15 +82,44 @@ def _steps(run_dir):
     return [(r.get("step"), r["timestamp"]) for r in records if r.get("kind") == "train" and r.get("timestamp")]
 
 
-def wait_for_loss(batch_host, job, poll):
-    """Block until Slurm takes ``batch_host`` out of ``job`` (True), or the job is over (False)."""
-    while True:
-        nodes = slurm.job_nodes(job)
-        if nodes is not None and batch_host not in nodes:
+def answers(address, timeout):
+    """Does ``address`` (host, port) take a TCP connection within ``timeout`` seconds?"""
+    try:
+        with socket.create_connection(address, timeout=timeout):
             return True
-        if nodes is None and not slurm.job_active(job):
-            return False
-        time.sleep(poll)
+    except OSError:  # refused (nothing listens: the node's processes died), unreachable, timed out
+        return False
+
+
+def wait_for_loss(batch_host, job, poll, address=None, grace=GRACE_SECONDS, heartbeat=HEARTBEAT_SECONDS,
+                  clock=time.monotonic):
+    """Block until ``batch_host`` is lost, and say how (a line), or until the job is over (None). Lost: its slurmd
+    at ``address`` was heard once and has then been silent for ``grace`` seconds, or Slurm took it out of ``job``."""
+    heard, warned, silent_since, asked = False, False, None, None
+    started = clock()
+    while True:
+        now = clock()
+        if asked is None or now - asked >= poll:
+            asked = now
+            nodes = slurm.job_nodes(job)
+            if nodes is not None and batch_host not in nodes:
+                return f"Slurm took {batch_host} out of job {job}"
+            if nodes is None and not slurm.job_active(job):
+                return None
+        if address is not None and answers(address, heartbeat):
+            if not heard:
+                _say(f"{batch_host}'s slurmd at {address[0]}:{address[1]} answers: taking over if it stops "
+                     f"answering for {grace:g} s")
+            heard, silent_since = True, None
+        elif address is not None and heard:
+            silent_since = now if silent_since is None else silent_since
+            if clock() - silent_since >= grace:
+                return f"{batch_host} stopped answering ({clock() - silent_since:.0f} s without its slurmd)"
+        elif address is not None and not warned and now - started >= grace:
+            _say(f"cannot reach {batch_host}'s slurmd at {address[0]}:{address[1]}: waiting on Slurm alone "
+                 f"(it takes a node out after SlurmdTimeout)")
+            warned = True
+        time.sleep(max(0.0, heartbeat - (clock() - now)))
 
 
 def main(argv=None, environ=None):
@@ -99,31 +142,39 @@ def main(argv=None, environ=None):
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, on_signal)
-    _say(f"watching job {job}: takes over if Slurm takes the batch host {args.batch_host} out of the job")
-    if not wait_for_loss(args.batch_host, job, args.poll):
+    _say(f"watching job {job}: takes over if the batch host {args.batch_host} stops answering, or Slurm takes it "
+         "out of the job")
+    how = wait_for_loss(args.batch_host, job, args.poll, slurm.slurmd_address(args.batch_host), args.grace,
+                        args.heartbeat)
+    if how is None:
         return 0
     noticed = time.time()
     ranks = remaining_ranks(args.tasks, args.tasks_per_node, slurm.job_hosts(env) or [], args.batch_host)
     step, at = (_steps(args.run_dir) or [(None, None)])[-1]
     idle = None if at is None else round(noticed - at, 1)
-    _say(f"Slurm took the batch host {args.batch_host} out of job {job} (last step {step}, "
-         f"{'?' if idle is None else idle} s ago); taking over with {ranks} rank(s) on the nodes left")
+    _say(f"the batch host is lost: {how} (last step {step}, {'?' if idle is None else idle} s ago); "
+         f"taking over with {ranks} rank(s) on the nodes left")
     rundir.append_metrics(args.run_dir, {"kind": "takeover", "host": socket.gethostname(), "lost": args.batch_host,
-                                         "last_step": step, "seconds_since_last_step": idle, "ranks": ranks}, _say)
+                                         "noticed": how, "last_step": step, "seconds_since_last_step": idle,
+                                         "ranks": ranks}, _say)
     cmd = [sys.executable, "-m", "hpctrain", "launch", "--exclude", args.batch_host, "-n", str(ranks), *launch]
-    child = subprocess.Popen(cmd, env=slurm.job_script_environment(env, args.tasks))
+    # Slurm may still count the batch host's step as running: its run lock is stale for the new ranks
+    child = subprocess.Popen(cmd, env={**slurm.job_script_environment(env, args.tasks),
+                                       settings.name("LOST_NODES"): args.batch_host})
     status = child.wait()
     after = [t for _, t in _steps(args.run_dir) if t > noticed]
     still = None if at is None or not after else round(after[0] - at, 1)
     _say(f"the supervisor ended with status {status}; training stood still {'?' if still is None else still} s; "
-         f"ending job {job} (scancel) so that no allocation is held idle"
+         f"ending job {job} as {'COMPLETED' if status == 0 else 'FAILED'}, as its job script would have"
          + ("" if status == 0 else f"; resubmit with RUN_DIR={args.run_dir} to continue from the newest checkpoint"))
     rundir.append_metrics(args.run_dir, {"kind": "job_end", "by": "standby", "host": socket.gethostname(),
                                          "status": status, "stood_still_s": still,
                                          "seconds_since_takeover": round(time.time() - noticed, 1)}, _say)
-    scancel = shutil.which("scancel")
-    if scancel and job:
-        subprocess.call([scancel, job], timeout=slurm.TIMEOUT)
+    if job and not slurm.complete_job(job, status):  # Slurm kills this step with the job
+        _say(f"libslurm could not end job {job} with status {status}: scancel (the job shows CANCELLED)")
+        scancel = shutil.which("scancel")
+        if scancel:
+            subprocess.call([scancel, job], timeout=slurm.TIMEOUT)
     return status
 
 

@@ -275,8 +275,8 @@ def summarize(records):
                          for r in _kind(records, "launch_stop")],
         "restart_costs": restart_costs(records),
         # slurm/resilient.sbatch's standby: the first node lost, and the run finished from another
-        "takeovers": [{k: r.get(k) for k in ("host", "lost", "last_step", "seconds_since_last_step", "ranks")}
-                      for r in _kind(records, "takeover")],
+        "takeovers": [{k: r.get(k) for k in ("host", "lost", "noticed", "last_step", "seconds_since_last_step",
+                                             "ranks")} for r in _kind(records, "takeover")],
         "standby_ends": [{k: r.get(k) for k in ("host", "status", "stood_still_s")}
                          for r in _kind(records, "job_end") if r.get("by") == "standby"],
         "checkpoints": len(_kind(records, "checkpoint")),
@@ -341,8 +341,9 @@ def format_summary(s):
     for stop in s.get("launch_stops") or []:
         lines.append(f"not restarted: {stop['description']}: {stop['why']}")
     for t in s.get("takeovers") or []:
-        lines.append(f"first node lost: Slurm took {t['lost']} (job script, supervisor) out of the job after step "
-                     f"{t['last_step']}; the standby on {t['host']} relaunched {t['ranks']} rank(s)")
+        how = t.get("noticed") or f"Slurm took {t['lost']} out of the job"
+        lines.append(f"first node lost ({t['lost']}: job script, supervisor): {how}, after step {t['last_step']}; "
+                     f"the standby on {t['host']} relaunched {t['ranks']} rank(s)")
     for end in s.get("standby_ends") or []:
         lines.append(f"the standby on {end['host']} ended the job: status {end['status']}, training stood still "
                      f"{num(end['stood_still_s'], '.1f')} s")

@@ -3,8 +3,10 @@ hpctrain asks (``squeue``, ``sinfo``, ``scontrol``), each with a timeout. A comm
 hangs answers "unsure" (``None``), never a guess. Who asks: :mod:`.world` (is this task a rank of an ``srun``
 step), :mod:`hpctrain.job.runlock` (is the job or step that holds a lock still running),
 :mod:`hpctrain.job.preemption` (requeue this job), :mod:`hpctrain.job.relaunch` (the allocation's nodes, and
-which stopped answering)."""
+which stopped answering), :mod:`hpctrain.job.standby` (the nodes a job holds, where a node's slurmd listens)."""
+import ctypes
 import os
+import re
 import shutil
 import subprocess
 
@@ -189,6 +191,15 @@ def job_nodes(job):
     return hostnames(nodelist) if nodelist else None
 
 
+def slurmd_address(node):
+    """``(address, port)`` where ``node``'s slurmd listens (NodeAddr, SlurmdPort), or None if unsure."""
+    shown = _run(["scontrol", "-o", "show", "node", node]) if shutil.which("scontrol") and node else None
+    config = _run(["scontrol", "show", "config"]) if shown is not None else None
+    addr = re.search(r"\bNodeAddr=(\S+)", shown.stdout) if shown is not None else None
+    port = re.search(r"^SlurmdPort\s*=\s*(\d+)", config.stdout, re.M) if config is not None else None
+    return (addr.group(1), int(port.group(1))) if addr and port else None
+
+
 def left_allocation(node, job):
     """True once Slurm has removed ``node`` from job ``job`` (a --no-kill job losing a node)."""
     if not job:
@@ -200,3 +211,32 @@ def left_allocation(node, job):
 def requeue(job, scontrol, timeout=60):
     """``scontrol requeue JOB``: the finished process (raises OSError, TimeoutExpired)."""
     return subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=timeout)
+
+
+def complete_job(job, status):
+    """End job ``job`` as the exit of its batch script with ``status`` would: COMPLETED for 0, else FAILED, so that
+    ``sacct`` and ``afterok`` dependencies see the truth (``scancel`` would say CANCELLED). Through libslurm's
+    ``slurm_complete_job`` (the job's owner may call it), in the library the Slurm commands here use. False
+    where that library is not found or refuses."""
+    lib = _libslurm()
+    if lib is None or not str(job).isdigit():
+        return False
+    wait_status = -status & 0x7F if status < 0 else min(status, 255) << 8  # as wait(2) says it: signal or code
+    return lib.slurm_complete_job(ctypes.c_uint32(int(job)), ctypes.c_uint32(wait_status)) == 0
+
+
+def _libslurm():
+    """libslurm as ``scontrol`` links it (``ldd``: Debian's is a private libslurmfull.so), loaded and initialised;
+    None if not found."""
+    scontrol = shutil.which("scontrol")
+    proc = _run(["ldd", scontrol]) if scontrol else None
+    found = re.search(r"=>\s*(/\S*libslurm(?:full)?\.so\S*)", proc.stdout) if proc is not None else None
+    if found is None:
+        return None
+    try:
+        lib = ctypes.CDLL(found.group(1), mode=ctypes.RTLD_GLOBAL)  # its plugins resolve their symbols in it
+        if hasattr(lib, "slurm_init"):  # Slurm 22.05 on: reads slurm.conf and loads the plugins first
+            lib.slurm_init(None)
+        return lib
+    except OSError:
+        return None
