@@ -47,6 +47,16 @@ def test_choose_skips_an_incomplete_step_and_says_which_parts_are_missing():
     assert step is None and skipped == [(12, [1, 2])]
 
 
+def test_choose_passes_over_a_damaged_part_to_its_copy_then_to_an_older_step():
+    own = (12, 1, 2, "/node-b/step-00000012/part-00001.bin", False)
+    copy = (12, 1, 2, "/node-a/step-00000012/part-00001.bin", True)
+    found = {0: [part(12, 0, 2), part(9, 0, 2), copy], 1: [own, part(9, 1, 2)]}
+    step, chosen, _ = localfiles.choose(found, newer_than=0, damaged=[own[3]])
+    assert step == 12 and chosen[1] == (0, copy[3], True)
+    step, _, skipped = localfiles.choose(found, newer_than=0, damaged=[own[3], copy[3]])
+    assert step == 9 and skipped == [(12, [1])]
+
+
 def test_choose_spreads_the_reading_over_the_holders():
     everywhere = [part(4, o, nranks=4) for o in range(4)]
     step, chosen, _ = localfiles.choose({0: everywhere, 1: everywhere}, newer_than=0)

@@ -1,8 +1,8 @@
 """The node-local checkpoint level with real ranks (mpirun): random SIGKILLs resume bit for bit from it
-(synchronous and background HDF5 saves); a part that is lost or damaged sends the run back to the HDF5 file,
-saying the steps it costs; a sharded run's snapshot becomes the very file an HDF5 save would have written, and
-resumes on fewer ranks; two ranks as two nodes, one node's part recovered from its copy on the other (on real
-nodes under Slurm: test_slurm_multinode.py)."""
+(synchronous and background HDF5 saves); a part that is lost or damaged sends the run back to the snapshot
+before, and with that one damaged too to the HDF5 file, saying the steps it costs; a sharded run's snapshot
+becomes the very file an HDF5 save would have written, and resumes on fewer ranks; two ranks as two nodes, one
+node's part recovered from its copy on the other (on real nodes under Slurm: test_slurm_multinode.py)."""
 import random
 import re
 import shutil
@@ -74,14 +74,14 @@ def test_random_sigkills_resume_bit_for_bit_from_the_local_level(tmp_path, async
 
 def killed_after_a_snapshot(tmp_path, local):
     """A run killed in step 18: HDF5 checkpoint of step 10, local snapshots 3 steps after either level's
-    save: steps 13 and 16 (16 kept)."""
+    save: steps 13 and 16, both kept (the one before the newest stays)."""
     parts = tmp_path / "parts"
     result = run(parts, local, env={"FAIL_RANK": "1", "FAIL_AT": "backward:18", "FAIL_ACTION": "kill"})
     assert result.returncode != 0, result.output[-3000:]
     (node,) = [p for p in next(local.iterdir()).iterdir()]
-    assert sorted(p.name for p in node.iterdir()) == ["step-00000016"]
+    assert sorted(p.name for p in node.iterdir()) == ["step-00000013", "step-00000016"]
     assert sorted(p.name for p in (node / "step-00000016").iterdir()) == ["part-00000.bin", "part-00001.bin"]
-    return parts, node / "step-00000016"
+    return parts, node
 
 
 def test_a_lost_nodes_part_comes_from_its_copy_on_the_next_node(tmp_path):
@@ -108,33 +108,52 @@ def test_a_lost_nodes_part_comes_from_its_copy_on_the_next_node(tmp_path):
     assert_same_final(whole, parts)
 
 
-@pytest.mark.parametrize("loss", ["deleted", "damaged"])
-def test_a_lost_part_resumes_from_the_hdf5_file_and_says_the_cost(tmp_path, loss):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run of run() that nothing stops (its final state)."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    (base / "local").mkdir()
+    run(base / "run", base / "local").check()
+    return base / "run"
+
+
+def flip_a_bit(part):
+    """A flipped bit in a part's rows: its end mark is in place, its checksum fails."""
+    data = bytearray(part.read_bytes())
+    data[40] ^= 0x01
+    part.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("loss", ["deleted", "damaged", "both damaged"])
+def test_a_lost_part_falls_back_to_the_snapshot_before_then_to_the_hdf5_file(tmp_path, loss, uninterrupted):
+    """Rank 1's part of the newest snapshot (16) deleted or damaged (one node: no copy elsewhere): the run
+    resumes from the snapshot before (13); with that one damaged too, from the HDF5 file (10), saying the cost."""
     local = tmp_path / "local"
     local.mkdir()
-    parts, snapshot = killed_after_a_snapshot(tmp_path, local)
-    part = snapshot / "part-00001.bin"
+    parts, node = killed_after_a_snapshot(tmp_path, local)
+    newest = node / "step-00000016" / "part-00001.bin"
     if loss == "deleted":  # both copies gone: on one node there is only the one
-        part.unlink()
-    else:  # a flipped bit in its rows: its end mark is in place, its checksum fails
-        data = bytearray(part.read_bytes())
-        data[40] ^= 0x01
-        part.write_bytes(bytes(data))
+        newest.unlink()
+    else:
+        flip_a_bit(newest)
+    if loss == "both damaged":
+        flip_a_bit(node / "step-00000013" / "part-00001.bin")
     resumed = run(parts, local).check()
     print(resumed.stdout[-2000:], resumed.stderr[-2000:])
-    if loss == "deleted":
-        assert ("hpctrain: the node-local checkpoint of step 16 is incomplete: the parts of rank(s) 1 survive on "
-                "no node of the job (nor any copy of them); resuming from the HDF5 checkpoint of step 10 instead: "
-                "6 steps to compute again") in resumed.stdout
-    else:
-        assert re.search(r"the node-local checkpoint of step 16 could not be used \(.*part-00001.bin: the bytes "
-                         r"of /\S+ do not match their checksum\); resuming from the newest HDF5 checkpoint",
+    if loss != "deleted":
+        assert re.search(r"the node-local part \S+step-00000016/part-00001.bin of step 16 is damaged \(.*the bytes "
+                         r"of /\S+ do not match their checksum\); looking for its copy or an older snapshot",
                          resumed.output), resumed.output[-3000:]
-    assert "resumed from" in resumed.stdout and "ckpt-00000010.h5 at step 10" in resumed.stdout
-    assert not RECOVERED.search(resumed.stdout)
-    whole = tmp_path / "whole"
-    run(whole, tmp_path / "local").check()
-    assert_same_final(whole, parts)
+    if loss == "both damaged":
+        assert ("hpctrain: the node-local checkpoint of step 16 is incomplete: the parts of rank(s) 1 survive intact "
+                "on no node of the job (nor any copy of them); resuming from the HDF5 checkpoint of step 10 "
+                "instead: 6 steps to compute again") in resumed.stdout
+        assert "ckpt-00000010.h5 at step 10" in resumed.stdout and not RECOVERED.search(resumed.stdout)
+    else:
+        assert [(s, h) for s, _, h in RECOVERED.findall(resumed.stdout)] == [("13", "10")], resumed.stdout[-3000:]
+        assert ("step 16 passed over: the part(s) of rank(s) 1 survive intact nowhere") in resumed.stdout
+    assert "DONE step 30" in resumed.stdout
+    assert_same_final(uninterrupted, parts)
 
 
 def test_sharded_snapshot_is_the_file_an_hdf5_save_writes_and_resumes_on_fewer_ranks(tmp_path, digits):

@@ -214,17 +214,18 @@ def remove_steps(ndir, keep):
 
 # ---------------------------------------------------------------- which step a recovery takes
 
-def choose(found, newer_than):
+def choose(found, newer_than, damaged=()):
     """The newest step after ``newer_than`` (the newest checkpoint file's step, 0 for none) whose parts all
     exist somewhere.
     ``found``: ``{rank: [(step, owner, nranks, path, copy)]}``, what each rank sees on its node. Returns
     ``(step, {owner: (holder rank, path, copy)}, skipped)``, ``step`` None when no step qualifies; ``skipped``:
     ``[(step, owners missing)]`` of newer steps that were incomplete. Each part is read by the rank holding it
-    that has the fewest to read already (parts spread over the nodes that survived)."""
+    that has the fewest to read already (parts spread over the nodes that survived). A part whose path is in
+    ``damaged`` (found so by an earlier try) counts as missing: its copy, or an older step, is taken instead."""
     by_step = {}
     for rank in sorted(found):
         for step, owner, nranks, path, copy in found[rank]:
-            if step > newer_than:
+            if step > newer_than and path not in damaged:
                 by_step.setdefault((step, nranks), {}).setdefault(owner, []).append((rank, path, copy))
     skipped = []
     for step, nranks in sorted(by_step, reverse=True):

@@ -3,15 +3,16 @@ snapshots into storage on each node (``/dev/shm`` by default), between the colle
 
 A snapshot is the HDF5 file's plan, kept as it would be written: each rank stores the rows it would write
 (its part, :mod:`.files`) and sends a copy to a rank on the next node, so a part survives the loss of
-its own node. Two snapshots at most are kept per node (the newest complete one, and the one being written);
-the first snapshot says what that costs in memory. A snapshot holding NaN or infinity is refused like a save.
+its own node. Three snapshots at most are kept per node (the two newest complete ones, so that a damaged
+newest one falls back to the one before, and the one being written); the first snapshot says what that costs
+in memory. A snapshot holding NaN or infinity is refused like a save.
 
 Recovery (:meth:`LocalLevel.recover`, from :meth:`~.manager.CheckpointManager.resume`) takes the newest
-snapshot newer than the newest HDF5 checkpoint whose parts all survive somewhere. Its parts are read (and
-their checksums verified) by the ranks on the nodes that hold them, gathered on rank 0 and written as an
-ordinary checkpoint file of the directory: the snapshot becomes durable, and the run resumes from it through
-the one load path, on any number of ranks. Where a part survives nowhere, the run resumes from the HDF5 file
-and says how many steps that costs.
+snapshot newer than the newest HDF5 checkpoint whose parts all survive somewhere intact (a damaged part: its
+copy, else the snapshot before). Its parts are read (and their checksums verified) by the ranks on the nodes
+that hold them, gathered on rank 0 and written as an ordinary checkpoint file of the directory: the snapshot
+becomes durable, and the run resumes from it through the one load path, on any number of ranks. Where no
+snapshot is whole, the run resumes from the HDF5 file and says how many steps that costs.
 """
 import logging
 import os
@@ -22,7 +23,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...runtime import fsutil
-from ...runtime.coordination import all_or_none, everywhere, on_root
+from ...runtime.coordination import all_or_none, on_root
 from .. import commit, directory
 from ..content import format as fmt
 from ..content import metadata
@@ -34,7 +35,7 @@ from .transfer import copy_to_partner, gather_parts
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-KEPT = 2  # snapshots a node may hold at once: the newest complete one and the one being written
+KEPT = 3  # snapshots a node may hold at once: the two newest complete ones and the one being written
 # With neither local_every_steps nor auto_interval: snapshots as often as 1% of the wall time allows.
 DEFAULT_OVERHEAD = 0.01
 
@@ -121,28 +122,41 @@ class LocalLevel:
             print(_memory_line(self.base, self.nodes, [(n, r) for _, _, n, r in outcome], self.dest, self.sources),
                   flush=True)
         self.announced = True
-        if self.leader:
-            files.remove_steps(self.ndir, lambda s: s >= step)
+        if self.leader:  # the snapshot before stays: a damaged newest one falls back to it
+            previous = step if self.last_step is None else min(self.last_step, step)
+            files.remove_steps(self.ndir, lambda s: s >= previous)
         self.last_step = step
         return True
 
     # -- recovery
 
     def recover(self, newer_than, retention, verify=True):
-        """Make the newest complete snapshot after HDF5 step ``newer_than`` (0: no HDF5 checkpoint) an
-        ordinary checkpoint file of the directory; returns its path, or None (then the HDF5 file is the
-        newest, and rank 0 has said what an incomplete snapshot cost)."""
+        """Make the newest usable snapshot after HDF5 step ``newer_than`` (0: no HDF5 checkpoint) an ordinary
+        checkpoint file of the directory; returns its path, or None (then the HDF5 file is the newest, and rank 0
+        has said what that costs). Usable: every part survives somewhere with checksums that hold; a damaged part
+        is replaced by its copy on the next node, else the next older snapshot is taken."""
         comm, is_root = self.comm, self.comm.Get_rank() == 0
         seen = files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
         everything = comm.gather(seen, root=0)
-        step, chosen, skipped = on_root(lambda: files.choose(dict(enumerate(everything)), newer_than), comm)
-        if step is None:
-            if skipped and is_root:
-                print(_incomplete_line(skipped[0], newer_than), flush=True)
-            return None
-        started = time.monotonic()
+        damaged = []
+        while True:
+            step, chosen, skipped = on_root(lambda: files.choose(dict(enumerate(everything)), newer_than, damaged),
+                                            comm)
+            if step is None:
+                if skipped and is_root:
+                    print(_incomplete_line(skipped[0], newer_than), flush=True)
+                return None
+            started = time.monotonic()
+            full, specs, problem = gather_parts(comm, chosen)
+            problem, specs = comm.bcast((problem, specs), root=0)
+            if problem is None:
+                break
+            damaged.append(problem[0])
+            if is_root:
+                log.warning("the node-local part %s of step %d is damaged (%s); looking for its copy or an older "
+                            "snapshot", problem[0], step, problem[1])
         try:
-            path = _write_snapshot_file(comm, step, chosen, self.checkpoint_dir, retention, verify)
+            path = _write_snapshot_file(comm, step, full, specs, self.checkpoint_dir, retention, verify)
         except CheckpointError as exc:
             if is_root:
                 log.warning("the node-local checkpoint of step %d could not be used (%s); resuming from the "
@@ -151,11 +165,13 @@ class LocalLevel:
         if is_root:
             holders = sorted({self.nodes[r] for r, _, _ in chosen.values()})
             copies = sorted(o for o, (_, _, copy) in chosen.items() if copy)
+            passed = "".join(f"; step {s} passed over: the part(s) of rank(s) {', '.join(map(str, missing))} "
+                             f"survive intact nowhere" for s, missing in skipped)
             print(f"hpctrain: recovered step {step} from the node-local checkpoints on {', '.join(holders)}"
                   f"{f' (the newest HDF5 checkpoint is of step {newer_than})' if newer_than else ''}, "
                   f"written to {os.path.basename(path)} in {time.monotonic() - started:.2f} s"
-                  + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else ""),
-                  flush=True)
+                  + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else "")
+                  + passed, flush=True)
         self.last_step = step
         return path
 
@@ -190,13 +206,9 @@ class LocalLevel:
         self.comm.Free()
 
 
-def _write_snapshot_file(comm, step, chosen, checkpoint_dir, retention, verify):
-    """Collective: the parts of ``step`` gathered on rank 0 and written, by rank 0, as the checkpoint of that
-    step (verified, renamed into place, ``latest`` and retention applied); its path."""
-    full, specs, problem = gather_parts(comm, chosen)
-    problem, specs = comm.bcast((problem, specs), root=0)
-    if problem:
-        raise everywhere(CheckpointError(problem))
+def _write_snapshot_file(comm, step, full, specs, checkpoint_dir, retention, verify):
+    """Collective: the parts of ``step`` gathered on rank 0 (``full``, described by ``specs``) written, by rank 0,
+    as the checkpoint of that step (verified, renamed into place, ``latest`` and retention applied); its path."""
     final = os.path.join(checkpoint_dir, fmt.checkpoint_name(step))
     info = on_root(lambda: (directory.check_writable(checkpoint_dir),
                             {"final": final, "tmp": fsutil.temp_name(final),
@@ -231,7 +243,7 @@ def _incomplete_line(skipped, newer_than):
     lost, missing = skipped
     back = f"the HDF5 checkpoint of step {newer_than}" if newer_than else "step 0"
     return (f"hpctrain: the node-local checkpoint of step {lost} is incomplete: the parts of rank(s) "
-            f"{', '.join(map(str, missing))} survive on no node of the job (nor any copy of them); "
+            f"{', '.join(map(str, missing))} survive intact on no node of the job (nor any copy of them); "
             f"resuming from {back} instead: {lost - newer_than} steps to compute again")
 
 

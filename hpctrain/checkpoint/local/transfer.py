@@ -69,8 +69,8 @@ def _store(comm, source, nbytes, path):
 def gather_parts(comm, chosen):
     """Collective: the parts ``chosen`` names (``{owner: (holder rank, path, copy)}``) assembled on rank 0.
     Each holder reads its parts and checks their checksums; rank 0 receives them in owner order. Returns, on
-    rank 0, ``(whole arrays by dataset index, description, problem)`` (``problem``: the first damaged part,
-    then the arrays are None); elsewhere ``(None, None, None)``."""
+    rank 0, ``(whole arrays by dataset index, description, problem)`` (``problem``: the first damaged part's
+    ``(path, what is wrong)``, then the arrays are None); elsewhere ``(None, None, None)``."""
     rank = comm.Get_rank()
     for owner in sorted(chosen):
         holder, path, _ = chosen[owner]
@@ -86,7 +86,7 @@ def gather_parts(comm, chosen):
         holder, path, _ = chosen[owner]
         meta, data = _read(path) if holder == 0 else _receive(comm, holder)
         if problem is not None or data is None:
-            problem = problem or meta
+            problem = problem or (path, meta)
             continue
         if full is None:
             specs = {k: meta[k] for k in ("datasets", "root_attrs", "group_attrs")}
