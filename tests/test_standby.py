@@ -92,7 +92,13 @@ def test_the_standby_takes_over_once_the_batch_host_stops_answering(monkeypatch,
     monkeypatch.setattr(slurm, "job_nodes", lambda job: ["n1", "n2"])  # Slurm still lists the node
     server = _listener()
     address = server.getsockname()
-    threading.Timer(0.2, server.close).start()  # the node dies after a few knocks
+
+    def die_after_the_first_knock():
+        conn, _ = server.accept()
+        conn.close()
+        server.close()
+
+    threading.Thread(target=die_after_the_first_knock, daemon=True).start()
     how = standby.wait_for_loss("n1", "9", poll=0.05, address=address, grace=0.3, heartbeat=0.05)
     assert how.startswith("n1 stopped answering") and "without its slurmd" in how
     assert f"n1's slurmd at 127.0.0.1:{address[1]} answers" in capsys.readouterr().out
