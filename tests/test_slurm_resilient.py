@@ -1,6 +1,7 @@
 """slurm/resilient.sbatch on the real single-node Slurm cluster: a rank SIGKILLed mid-run is
 relaunched by `hpctrain launch` inside the same allocation (no requeue, no resubmission) and
-the job finishes; a warning signal still checkpoints and requeues, as preemptible.sbatch does."""
+the job finishes; a warning signal still checkpoints and requeues, as preemptible.sbatch does; scancel saves
+the step the ranks reached."""
 import json
 import re
 
@@ -82,3 +83,22 @@ def test_warning_signal_checkpoints_and_requeues_through_the_supervisor(slurm_cl
     assert f"resumed from" in second and f"done at step {steps}" in second, out
     assert latest(tmp_path / "runs" / f"hpctrain-resilient-{job}").name == f"ckpt-{steps:08d}.h5"
     assert stop < steps
+
+
+def test_scancel_saves_the_step_reached_and_ends_the_job(slurm_cluster, tmp_path, digits):
+    """scancel (SIGTERM to the job script, the supervisor and every rank; SIGKILL KillWait seconds later): the
+    ranks save the step they reached, in a run that saves nowhere else, and the job ends without a requeue."""
+    env = job_env(slurm_cluster, tmp_path)
+    job = submit(slurm_cluster, env, tmp_path, [f"data.path={digits}", "train.epochs=100000", "train.max_steps=100000",
+                                                 "checkpoint.on_epoch_end=false", "monitor.log_every=10"])
+    wait_for_step(slurm_cluster, tmp_path, job, 20)
+    slurm_cluster.run(["scancel", job])
+    (record,) = slurm_cluster.wait(job, JOB_TIMEOUT)
+    out = output_of(tmp_path, job)
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", f"{record}\n{out}"
+    stop = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
+    assert stop >= 20 and "relaunching" not in out and "requeueing" not in out, out
+    final = latest(tmp_path / "runs" / f"hpctrain-resilient-{job}")
+    assert final.name == f"ckpt-{stop:08d}.h5", final
+    check = ckpt_verify(final)
+    assert check.returncode == 0, check.stdout + check.stderr
