@@ -1,6 +1,8 @@
 """The node-local checkpoint level's pure logic: where copies go, which step a recovery takes, the part
 files (complete, incomplete, damaged), and the configuration's refusals. Its runs with real MPI ranks are in
 test_local_checkpoints_mpi.py and test_slurm_multinode.py."""
+import os
+
 import numpy as np
 import pytest
 
@@ -129,6 +131,44 @@ def test_remove_steps_keeps_what_it_is_told(tmp_path):
     (tmp_path / "unrelated").mkdir()
     localfiles.remove_steps(tmp_path, lambda s: s >= 6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000009", "unrelated"]
+
+
+def test_clean_local_removes_this_nodes_snapshots_of_a_run_or_of_a_slurm_job(tmp_path, monkeypatch, capsys):
+    """`hpctrain ckpt clean-local`: what a run killed for good leaves in /dev/shm, removed by run directory, or
+    by Slurm job as an epilog would (on each node: SLURMD_NODENAME)."""
+    from hpctrain.commands import ckpt
+
+    local = tmp_path / "shm"
+    local.mkdir()
+    plan, _ = sample_plan(0)
+    runs = {"a": "7", "b": "8", "c": None}  # run -> the Slurm job that wrote its snapshots (c: under mpirun)
+    for name, job in runs.items():
+        checkpoints = tmp_path / name / "checkpoints"
+        checkpoints.mkdir(parents=True)
+        for node in ("n1", "n2"):
+            ndir = localfiles.node_dir(localfiles.base_dir(local, checkpoints), node)
+            localfiles.write_part(localfiles.part_path(ndir, 3, 0), plan, 0, 3, 2, checkpoints, node)
+            localfiles.mark_job(ndir, job)
+
+    def left():
+        return sorted(f"{name}/{node}" for name in runs for node in ("n1", "n2") if os.path.isdir(
+            localfiles.node_dir(localfiles.base_dir(local, tmp_path / name / "checkpoints"), node)))
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    assert ckpt.main(["clean-local", "--job", "7", "--local-dir", str(local)]) == 0
+    assert "1 node-local snapshot directory of Slurm job 7 removed on n1" in capsys.readouterr().out
+    assert left() == ["a/n2", "b/n1", "b/n2", "c/n1", "c/n2"]
+    assert ckpt.main(["clean-local", str(tmp_path / "c"), "--local-dir", str(local)]) == 0
+    assert left() == ["a/n2", "b/n1", "b/n2", "c/n2"]
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    assert ckpt.main(["clean-local", "--job", "7", "--local-dir", str(local)]) == 0
+    assert left() == ["b/n1", "b/n2", "c/n2"]
+    assert not os.path.exists(localfiles.base_dir(local, tmp_path / "a" / "checkpoints"))  # its last node gone
+    capsys.readouterr()
+    assert ckpt.main(["clean-local", "--local-dir", str(local)]) == 2
+    assert "name a run directory or --job JOBID" in capsys.readouterr().err
+    assert ckpt.main(["clean-local", "--job", "8", "--local-dir", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err and left() == ["b/n1", "b/n2", "c/n2"]
 
 
 @pytest.mark.parametrize("overrides, message", [

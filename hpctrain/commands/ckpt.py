@@ -5,6 +5,7 @@
     hpctrain ckpt verify FILE                   exit 1 and name the dataset on corruption
     hpctrain ckpt export FILE --to OUT.pt       a plain torch state dict (or .safetensors)
     hpctrain ckpt export FILE --to DIR --format hf    a transformers model's from_pretrained directory
+    hpctrain ckpt clean-local RUN_DIR | --job JOBID     this node's node-local snapshots (a Slurm epilog)
 """
 import argparse
 import json
@@ -237,6 +238,29 @@ def _export_pretrained(path, sd, out):
     return 0
 
 
+def cmd_clean_local(args):
+    """This node's node-local snapshots of a run (or of a Slurm job, from an epilog) removed."""
+    from ..checkpoint.local import files
+    from ..runtime.world import node_name
+
+    if (args.directory is None) == (args.job is None):
+        print("hpctrain ckpt clean-local: error: name a run directory or --job JOBID (one of them)\n"
+              "HINT: a Slurm epilog runs `hpctrain ckpt clean-local --job $SLURM_JOB_ID`", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.local_dir):
+        print(f"hpctrain ckpt clean-local: error: --local-dir {args.local_dir} is not a directory\n"
+              "HINT: name the runs' checkpoint.local_dir (default /dev/shm)", file=sys.stderr)
+        return 2
+    node = node_name()
+    checkpoint_dir = None if args.directory is None else _checkpoint_dir(args.directory)
+    removed = files.clean(args.local_dir, node, checkpoint_dir=checkpoint_dir, job=args.job)
+    what = f"of {checkpoint_dir}" if args.job is None else f"of Slurm job {args.job}"
+    dirs = "directory" if len(removed) == 1 else "directories"
+    print(f"hpctrain ckpt clean-local: {len(removed)} node-local snapshot {dirs} {what} removed on {node}"
+          + "".join(f"\n  {d}" for d in removed))
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="hpctrain ckpt", description="Work with hpctrain checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -259,6 +283,12 @@ def build_parser():
                    help="default: from the path (.safetensors, else torch); hf: the run's transformers model's "
                         "save_pretrained directory (config.json, model.safetensors)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("clean-local", help="remove this node's node-local snapshots of a run, or of a Slurm job "
+                                           "(from an epilog: --job $SLURM_JOB_ID)")
+    p.add_argument("directory", nargs="?", help="a run directory or its checkpoints/ directory")
+    p.add_argument("--job", help="every snapshot on this node that Slurm job JOBID wrote")
+    p.add_argument("--local-dir", default="/dev/shm", help="the runs' checkpoint.local_dir (default /dev/shm)")
+    p.set_defaults(func=cmd_clean_local)
     return parser
 
 

@@ -37,6 +37,50 @@ def node_dir(base, node):
     return os.path.join(base, node)
 
 
+JOB_MARK = "slurm-job"  # in a node's directory: the Slurm job that wrote its snapshots last
+
+
+def mark_job(ndir, job):
+    """Note in ``ndir`` that Slurm job ``job`` writes its snapshots (for :func:`clean` by job, from an epilog)."""
+    if job:
+        os.makedirs(ndir, exist_ok=True)
+        with open(os.path.join(ndir, JOB_MARK), "w") as f:
+            f.write(f"{job}\n")
+
+
+def clean(local_dir, node, checkpoint_dir=None, job=None):
+    """Remove ``node``'s snapshots under ``local_dir``: those of the run whose checkpoints are in
+    ``checkpoint_dir``, or those Slurm job ``job`` wrote; a run's directory goes with its last node. Returns the
+    node directories removed."""
+    if checkpoint_dir is not None:
+        candidates = [node_dir(base_dir(local_dir, checkpoint_dir), node)]
+    else:
+        try:
+            names = sorted(n for n in os.listdir(local_dir) if n.startswith("hpctrain-"))
+        except OSError:
+            names = []
+        candidates = [node_dir(os.path.join(local_dir, n), node) for n in names]
+    removed = []
+    for ndir in candidates:
+        if not os.path.isdir(ndir) or (job is not None and _marked_job(ndir) != str(job)):
+            continue
+        shutil.rmtree(ndir, ignore_errors=True)
+        removed.append(ndir)
+        try:
+            os.rmdir(os.path.dirname(ndir))  # the last node out removes the run's directory
+        except OSError:
+            pass
+    return removed
+
+
+def _marked_job(ndir):
+    try:
+        with open(os.path.join(ndir, JOB_MARK)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def step_dir(ndir, step):
     return os.path.join(ndir, f"step-{int(step):08d}")
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ...errors import CheckpointError
-from ...runtime import fsutil
+from ...runtime import fsutil, slurm
 from ...runtime.coordination import all_or_none, on_root
 from .. import commit, directory
 from ..content import format as fmt
@@ -118,6 +118,8 @@ class LocalLevel:
                             "HINT: give checkpoint.local_dir more space (or a local disk), or set "
                             "checkpoint.local=false", errors[0])
             return False
+        if not self.announced and self.leader:
+            files.mark_job(self.ndir, slurm.job_id())  # `hpctrain ckpt clean-local --job` (an epilog) finds them
         if not self.announced and rank == 0:
             print(_memory_line(self.base, self.nodes, [(n, r) for _, _, n, r in outcome], self.dest, self.sources),
                   flush=True)
