@@ -16,6 +16,7 @@ the nodes over their bridge.
 * the first node (job script, supervisor, rank 0) killed, or cut off: the standby supervisor on another
   node relaunches there from the newest checkpoint, finishes the run and ends the job.
 """
+import contextlib
 import json
 import re
 import time
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
 
 STEP_TIMEOUT = 120  # one srun step
 JOB_TIMEOUT = 300  # one resilient job, failure and relaunch included
+SLURMD_TIMEOUT = 300  # Slurm's default, for the standby's tests (the cluster's own is 20 s)
 
 # HPCTRAIN_VENV stand-in for slurm/resilient.sbatch: the ranks (`-m hpctrain train`) run
 # tests/mpi/supervised_rank.py (SUPERVISED_STEP_SLEEP: a run long enough to break a node in);
@@ -198,12 +200,13 @@ def test_partitioned_node_is_left_out_and_the_run_finishes(slurm_multinode, tmp_
 def assert_taken_over(cluster, tmp_path, job, steps):
     """The standby on another node took over from n1 and finished the run; the job was ended as its script would
     have ended it (COMPLETED, exit code 0), not left holding its nodes. Returns the takeover and job_end records."""
-    (record,) = cluster.wait(job, JOB_TIMEOUT)
+    # The job's end as Slurm logs it (jobcomp, once per end: one line, no requeue). Slurm lists the job as
+    # completing until the lost node answers again or SlurmdTimeout says it is down: the test heals it.
+    (record,) = cluster.wait_for(lambda: cluster.completions(job), JOB_TIMEOUT, f"job {job} to end")
     run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
     log = (run_dir / f"standby-{job}.out").read_text()
     print(log[-5000:])
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0" and record["Restarts"] == "0", \
-        f"{record}\n{log[-5000:]}"
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{log[-5000:]}"
     # found by the standby's own knock at n1's slurmd, not by waiting for Slurm to take n1 out of the job
     assert re.search(r"n1's slurmd at [\d.]+:\d+ answers", log), log[-5000:]
     assert re.search(r"the batch host is lost: n1 stopped answering \(\d+ s without its slurmd\) \(last step \d+",
@@ -214,7 +217,7 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     (end,) = records(run_dir, "job_end")
     assert takeover["lost"] == "n1" and takeover["host"] in ("n2", "n3") and takeover["ranks"] == 2, takeover
     assert takeover["noticed"].startswith("n1 stopped answering"), takeover
-    assert end["status"] == 0 and end["by"] == "standby" and end["stood_still_s"] > 0, end
+    assert end["status"] == 0 and end["by"] == "standby" and 0 < end["stood_still_s"] < SLURMD_TIMEOUT, end
     last_start = records(run_dir, "start")[-1]
     assert sorted(last_start["hosts"]) == ["n2", "n3"], last_start
     final = latest(run_dir)
@@ -231,19 +234,34 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     return takeover, end
 
 
+@contextlib.contextmanager
+def slurmd_timeout(cluster, seconds):
+    """Slurm's SlurmdTimeout set to ``seconds`` (``scontrol reconfigure``), and back to the cluster's afterwards."""
+    conf = cluster.conf.read_text()
+    cluster.conf.write_text(re.sub(r"^SlurmdTimeout=\d+", f"SlurmdTimeout={seconds}", conf, flags=re.M))
+    cluster.run(["scontrol", "reconfigure"], timeout=60)
+    try:
+        yield
+    finally:
+        cluster.conf.write_text(conf)
+        cluster.run(["scontrol", "reconfigure"], timeout=60)
+
+
 @pytest.mark.parametrize("cut_off", [False, True], ids=["killed", "cut-off"])
 def test_first_node_lost_the_standby_finishes_the_run(slurm_multinode, tmp_path, digits, cut_off):
     """n1 runs the job script, the supervisor and rank 0. Killed: all of it dies, its slurmd too. Cut off (its
-    link down): its processes live on, cut off from Slurm and from the other ranks."""
+    link down): its processes live on, cut off from Slurm and from the other ranks. With Slurm's default
+    SlurmdTimeout (300 s), Slurm would take n1 out of the job 5 minutes later: the standby does not wait for it."""
     steps = 30
-    job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
-    wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
-    try:
-        if cut_off:
-            slurm_multinode.set_link("n1", False)
-        else:
-            assert slurm_multinode.kill_node("n1"), "no process ran on n1"
-        takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
-        print(takeover, end)
-    finally:
-        slurm_multinode.heal()
+    with slurmd_timeout(slurm_multinode, SLURMD_TIMEOUT):
+        job = submit_resilient(slurm_multinode, tmp_path, digits, steps, "train.step_timeout=20")
+        wait_for_step(slurm_multinode, tmp_path, job, 9, JOB_TIMEOUT)
+        try:
+            if cut_off:
+                slurm_multinode.set_link("n1", False)
+            else:
+                assert slurm_multinode.kill_node("n1"), "no process ran on n1"
+            takeover, end = assert_taken_over(slurm_multinode, tmp_path, job, steps)
+            print(takeover, end)
+        finally:
+            slurm_multinode.heal()

@@ -102,3 +102,19 @@ def test_scancel_saves_the_step_reached_and_ends_the_job(slurm_cluster, tmp_path
     assert final.name == f"ckpt-{stop:08d}.h5", final
     check = ckpt_verify(final)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("status, state", [(0, "COMPLETED"), (3, "FAILED")])
+def test_a_job_ended_on_its_scripts_behalf_shows_the_status_given(slurm_cluster, tmp_path, status, state):
+    """slurm.complete_job, as the standby ends a job whose script died with the first node: the job ends as
+    its script would have with that status (sacct, afterok), not CANCELLED as scancel would leave it."""
+    script = tmp_path / "sleep.sh"
+    script.write_text("#!/bin/bash\nsleep 300\n")
+    job = slurm_cluster.sbatch(script, options=[f"--output={tmp_path}/%j.out"])
+    slurm_cluster.wait_for(lambda: slurm_cluster.jobs(job)[0].get("JobState") == "RUNNING", JOB_TIMEOUT,
+                           f"job {job} to start")
+    done = slurm_cluster.run([PYTHON, "-c", f"from hpctrain.runtime import slurm; print(slurm.complete_job({job!r}, "
+                                            f"{status}))"], timeout=60)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr
+    (record,) = slurm_cluster.wait_for(lambda: slurm_cluster.completions(job), JOB_TIMEOUT, f"job {job} to end")
+    assert (record["JobState"], record["ExitCode"]) == (state, f"{status}:0"), record  # as Slurm logs the end

@@ -104,6 +104,25 @@ def test_the_standby_takes_over_once_the_batch_host_stops_answering(monkeypatch,
     assert f"n1's slurmd at 127.0.0.1:{address[1]} answers" in capsys.readouterr().out
 
 
+def test_a_standby_that_slurm_does_not_answer_either_does_not_take_over(monkeypatch):
+    """The batch host silent and Slurm unsure (squeue failing): this node may be the one cut off, so no takeover
+    until Slurm answers again (here: after 15 questions), and then the silence counts."""
+    server = _listener()
+    address = server.getsockname()
+    asked = []
+
+    def job_nodes(job):
+        asked.append(job)
+        if len(asked) == 2:
+            server.close()  # heard once, then silent
+        return ["n1", "n2"] if len(asked) == 1 or len(asked) > 15 else None
+
+    monkeypatch.setattr(slurm, "job_nodes", job_nodes)
+    monkeypatch.setattr(slurm, "job_active", lambda job: True)
+    how = standby.wait_for_loss("n1", "9", poll=0.01, address=address, grace=0.05, heartbeat=0.01)
+    assert how.startswith("n1 stopped answering") and len(asked) > 15
+
+
 def test_a_slurmd_never_reached_leaves_the_standby_to_slurm(monkeypatch, capsys):
     server = _listener()
     address = server.getsockname()

@@ -12,15 +12,16 @@ starts this standby as a one-task step on another node::
 It knocks at the batch host's slurmd every ``--heartbeat`` seconds (a TCP connection to NodeAddr:SlurmdPort,
 which compute nodes reach for Slurm's own message fan-out) and asks Slurm every ``--poll`` seconds which nodes
 the job holds. The batch host is lost when its slurmd has taken no connection for ``--grace`` seconds (dead:
-refused or unreachable; cut off: no answer), or once Slurm takes it out of the job (after its
-``SlurmdTimeout``, 300 s by default): whichever comes first. Then it runs ``hpctrain launch --exclude BATCH_HOST``
-with the same arguments on the nodes left, telling the ranks (``HPCTRAIN_LOST_NODES``) that the lost node's
-run lock is stale: the ranks resume from the newest checkpoint. When that supervisor ends, the standby ends the
-job as its job script would have (COMPLETED or FAILED, by the supervisor's exit status), so that no allocation is
-held idle and ``afterok`` dependencies fire; a ``takeover`` and a ``job_end`` record in
-``metrics.jsonl`` say what happened and how long training stood still. A job that ends normally ends this
-step with it. The knock is armed once it has been answered: a slurmd this node cannot reach from the start
-(a firewall) leaves the standby to Slurm's view alone, and it says so."""
+refused or unreachable; cut off: no answer) while Slurm still answered this node (a standby that is itself cut
+off never takes over), or once Slurm takes it out of the job (after its ``SlurmdTimeout``, 300 s by default):
+whichever comes first. Then it runs ``hpctrain launch --exclude BATCH_HOST`` with the same arguments on the
+nodes left, telling the ranks (``HPCTRAIN_LOST_NODES``) that the lost node's run lock is stale: the ranks resume
+from the newest checkpoint. When that supervisor ends, the standby ends the job as its job script would have
+(COMPLETED or FAILED, by the supervisor's exit status), so that no allocation is held idle and ``afterok``
+dependencies fire; a ``takeover`` and a ``job_end`` record in ``metrics.jsonl`` say what happened and how long
+training stood still. A job that ends normally ends this step with it. The knock is armed once it has been
+answered: a slurmd this node cannot reach from the start (a firewall) leaves the standby to Slurm's view alone,
+and it says so."""
 import argparse
 import os
 import shutil
@@ -94,8 +95,9 @@ def answers(address, timeout):
 def wait_for_loss(batch_host, job, poll, address=None, grace=GRACE_SECONDS, heartbeat=HEARTBEAT_SECONDS,
                   clock=time.monotonic):
     """Block until ``batch_host`` is lost, and say how (a line), or until the job is over (None). Lost: its slurmd
-    at ``address`` was heard once and has then been silent for ``grace`` seconds, or Slurm took it out of ``job``."""
-    heard, warned, silent_since, asked = False, False, None, None
+    at ``address`` was heard once and has then been silent for ``grace`` seconds while Slurm still answered this
+    node (so that it is not this node that is cut off), or Slurm took it out of ``job``."""
+    heard, warned, silent_since, asked, slurm_answered = False, False, None, None, None
     started = clock()
     while True:
         now = clock()
@@ -106,6 +108,7 @@ def wait_for_loss(batch_host, job, poll, address=None, grace=GRACE_SECONDS, hear
                 return f"Slurm took {batch_host} out of job {job}"
             if nodes is None and not slurm.job_active(job):
                 return None
+            slurm_answered = now if nodes is not None else slurm_answered
         if address is not None and answers(address, heartbeat):
             if not heard:
                 _say(f"{batch_host}'s slurmd at {address[0]}:{address[1]} answers: taking over if it stops "
@@ -113,7 +116,7 @@ def wait_for_loss(batch_host, job, poll, address=None, grace=GRACE_SECONDS, hear
             heard, silent_since = True, None
         elif address is not None and heard:
             silent_since = now if silent_since is None else silent_since
-            if clock() - silent_since >= grace:
+            if clock() - silent_since >= grace and slurm_answered is not None and slurm_answered >= silent_since:
                 return f"{batch_host} stopped answering ({clock() - silent_since:.0f} s without its slurmd)"
         elif address is not None and not warned and now - started >= grace:
             _say(f"cannot reach {batch_host}'s slurmd at {address[0]}:{address[1]}: waiting on Slurm alone "
