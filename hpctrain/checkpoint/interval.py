@@ -13,7 +13,8 @@ With both, the more frequent wins: the budget says what saving may cost, Young/D
 would lose more work to failures than it saves in cost. With ``async_save`` the interval is at least as long
 as a background write takes (W, measured too): a save that starts earlier waits for the previous one, and that
 wait is cost. While a background write is still in flight no save is due: started then, it would block
-training until the write ends and hold an older step than one started after it. ``every_steps`` and ``every_minutes``, when also set, are upper bounds on the interval.
+training until the write ends and hold an older step than one started after it. ``every_steps`` and
+``every_minutes``, when also set, are upper bounds on the interval.
 
 C is the mean of the last few saves (a budget pays the slow ones too), T the median of the last steps. After
 each save (when C has a new sample) the interval is re-tuned if the one the estimates call for is longer than
