@@ -111,8 +111,8 @@ def test_a_job_ended_on_its_scripts_behalf_shows_the_status_given(slurm_cluster,
     script = tmp_path / "sleep.sh"
     script.write_text("#!/bin/bash\nsleep 300\n")
     job = slurm_cluster.sbatch(script, options=[f"--output={tmp_path}/%j.out"])
-    slurm_cluster.wait_for(lambda: slurm_cluster.jobs(job)[0].get("JobState") == "RUNNING", JOB_TIMEOUT,
-                           f"job {job} to start")
+    slurm_cluster.wait_for(lambda: any(r.get("JobState") == "RUNNING" for r in slurm_cluster.jobs(job)),
+                           JOB_TIMEOUT, f"job {job} to start")
     done = slurm_cluster.run([PYTHON, "-c", f"from hpctrain.runtime import slurm; print(slurm.complete_job({job!r}, "
                                             f"{status}))"], timeout=60)
     assert done.stdout.strip() == "True", done.stdout + done.stderr

@@ -187,7 +187,9 @@ def test_configuration_error_is_not_restarted(tmp_path, digits, wrapper):
 
 
 def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, reference):
-    code, out = launch(tmp_path, digits, wrapper, ["-n", "2"], extra=["train.step_timeout=10"],
+    # The timeout guards every phase, saves too: 10 s ended a save whose fsync waited behind another test's
+    # gigabyte of writes (a second, unplanned restart); 30 s leaves a busy disk room and still ends the hang.
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2"], extra=["train.step_timeout=30"],
                        env={"SUPERVISED_KILL_STEP": "5", "SUPERVISED_KILL_RANK": "1", "SUPERVISED_ACTION": "hang",
                             "SUPERVISED_MARKER": str(tmp_path / "hung")})
     assert code == 0, out[-6000:]

@@ -140,23 +140,12 @@ class LocalLevel:
         comm, is_root = self.comm, self.comm.Get_rank() == 0
         seen = files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
         everything = comm.gather(seen, root=0)
-        damaged = []
-        while True:
-            step, chosen, skipped = on_root(lambda: files.choose(dict(enumerate(everything)), newer_than, damaged),
-                                            comm)
-            if step is None:
-                if skipped and is_root:
-                    print(_incomplete_line(skipped[0], newer_than), flush=True)
-                return None
-            started = time.monotonic()
-            full, specs, problem = gather_parts(comm, chosen)
-            problem, specs = comm.bcast((problem, specs), root=0)
-            if problem is None:
-                break
-            damaged.append(problem[0])
-            if is_root:
-                log.warning("the node-local part %s of step %d is damaged (%s); looking for its copy or an older "
-                            "snapshot", problem[0], step, problem[1])
+        started = time.monotonic()
+        step, chosen, skipped, full, specs = _gather_usable(comm, everything, newer_than)
+        if step is None:
+            if skipped and is_root:
+                print(_incomplete_line(skipped[0], newer_than), flush=True)
+            return None
         try:
             path = _write_snapshot_file(comm, step, full, specs, self.checkpoint_dir, retention, verify)
         except CheckpointError as exc:
@@ -166,14 +155,8 @@ class LocalLevel:
             return None
         if is_root:
             holders = sorted({self.nodes[r] for r, _, _ in chosen.values()})
-            copies = sorted(o for o, (_, _, copy) in chosen.items() if copy)
-            passed = "".join(f"; step {s} passed over: the part(s) of rank(s) {', '.join(map(str, missing))} "
-                             f"survive intact nowhere" for s, missing in skipped)
-            print(f"hpctrain: recovered step {step} from the node-local checkpoints on {', '.join(holders)}"
-                  f"{f' (the newest HDF5 checkpoint is of step {newer_than})' if newer_than else ''}, "
-                  f"written to {os.path.basename(path)} in {time.monotonic() - started:.2f} s"
-                  + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else "")
-                  + passed, flush=True)
+            print(_recovered_line(step, newer_than, holders, chosen, skipped, path, time.monotonic() - started),
+                  flush=True)
         self.last_step = step
         return path
 
@@ -208,6 +191,26 @@ class LocalLevel:
         self.comm.Free()
 
 
+def _gather_usable(comm, everything, newer_than):
+    """Collective: the newest snapshot after ``newer_than`` whose parts all read back intact (``everything``: on
+    rank 0, what each rank found on its node), gathered on rank 0: ``(step, chosen, skipped, arrays, specs)``,
+    ``step`` None when no snapshot is whole. A damaged part is said and passed over for its copy or an older
+    snapshot."""
+    damaged = []
+    while True:
+        step, chosen, skipped = on_root(lambda: files.choose(dict(enumerate(everything)), newer_than, damaged), comm)
+        if step is None:
+            return None, chosen, skipped, None, None
+        full, specs, problem = gather_parts(comm, chosen)
+        problem, specs = comm.bcast((problem, specs), root=0)
+        if problem is None:
+            return step, chosen, skipped, full, specs
+        damaged.append(problem[0])
+        if comm.Get_rank() == 0:
+            log.warning("the node-local part %s of step %d is damaged (%s); looking for its copy or an older "
+                        "snapshot", problem[0], step, problem[1])
+
+
 def _write_snapshot_file(comm, step, full, specs, checkpoint_dir, retention, verify):
     """Collective: the parts of ``step`` gathered on rank 0 (``full``, described by ``specs``) written, by rank 0,
     as the checkpoint of that step (verified, renamed into place, ``latest`` and retention applied); its path."""
@@ -239,6 +242,16 @@ def _memory_line(base, nodes, sizes, dest, sources):
               else "one node: no copies on another node, so the level survives a rank's loss, not the node's")
     return (f"hpctrain: node-local checkpoints in {base}/<node>: at most {_mib(KEPT * most)} per node "
             f"({KEPT} snapshots of {_mib(most)} on {node}; {copies}){free}")
+
+
+def _recovered_line(step, newer_than, holders, chosen, skipped, path, seconds):
+    copies = sorted(o for o, (_, _, copy) in chosen.items() if copy)
+    return (f"hpctrain: recovered step {step} from the node-local checkpoints on {', '.join(holders)}"
+            f"{f' (the newest HDF5 checkpoint is of step {newer_than})' if newer_than else ''}, "
+            f"written to {os.path.basename(path)} in {seconds:.2f} s"
+            + (f"; the part(s) of rank(s) {', '.join(map(str, copies))} from their copies" if copies else "")
+            + "".join(f"; step {s} passed over: the part(s) of rank(s) {', '.join(map(str, missing))} survive "
+                      f"intact nowhere" for s, missing in skipped))
 
 
 def _incomplete_line(skipped, newer_than):
