@@ -79,6 +79,12 @@ def slow_venv(tmp_path):
     return make_venv(tmp_path, f"#!/bin/bash\nexec {PYTHON} {wrapper} \"$@\"\n")
 
 
+def stopped_saved(text):
+    """The ranks ended as a saved stop does: status 3, or 143 where srun's --kill-on-bad-exit ended a rank that
+    was still exiting after another rank's 3 (seen under load; the save had been made, as checked beside)."""
+    return "exit status 3" in text or ("exit status 143" in text and "Exited with exit code 3" in text)
+
+
 def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(slurm_cluster, tmp_path, digits):
     env = slurm_cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_VENV": str(slow_venv(tmp_path)),
                              "SLOW_STEP": "0.05", "SLOW_START_FROM": "2", "HPCTRAIN_MAX_STALLED_STARTS": "1"})
@@ -94,14 +100,14 @@ def test_real_time_limit_requeues_then_stops_on_a_start_warned_while_starting(sl
     assert "SIGUSR1: asking the ranks to checkpoint and stop" in first, out
     saved = int(re.search(r"stop requested: saving at step (\d+)", first).group(1))
     assert saved > 20, out  # many steps ran before the warning
-    assert "exit status 3" in first and f"requeueing Slurm job {job}" in first, out
+    assert stopped_saved(first) and f"requeueing Slurm job {job}" in first, out
     assert "before it could make progress" not in first, out
 
     # start 2: start-up outlasted the time to the warning; the ranks kept the early flag
     # (no status 138), resumed, saved after one step, and the job named the problem and stopped
     assert f"resumed from" in second and "slow start: held" in second and "warned: True" in second, out
     assert f"stop requested: saving at step {saved + 1}" in second, out
-    assert "exit status 3" in second and "requeueing Slurm job" not in second, out
+    assert stopped_saved(second) and "requeueing Slurm job" not in second, out
     m = re.search(r"start 2 was warned before it could make progress: SIGUSR1 came (\d+) s after the launch, "
                   r"(-?\d+) s before the time limit \(--time 1:00\); start-up \(launch to run directory set up\) "
                   r"took (\d+) s; steps (\d+) -> (\d+)", second)
