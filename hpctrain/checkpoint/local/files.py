@@ -64,13 +64,18 @@ def clean(local_dir, node, checkpoint_dir=None, job=None):
     for ndir in candidates:
         if not os.path.isdir(ndir) or (job is not None and _marked_job(ndir) != str(job)):
             continue
-        shutil.rmtree(ndir, ignore_errors=True)
+        remove_node_dir(ndir)
         removed.append(ndir)
-        try:
-            os.rmdir(os.path.dirname(ndir))  # the last node out removes the run's directory
-        except OSError:
-            pass
     return removed
+
+
+def remove_node_dir(ndir):
+    """Remove a node's snapshots; the last node out removes the run's directory."""
+    shutil.rmtree(ndir, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(ndir))
+    except OSError:
+        pass
 
 
 def _marked_job(ndir):

@@ -171,11 +171,7 @@ class LocalLevel:
     def clear(self):
         """Remove this run's snapshots on every node of the job."""
         if self.leader:
-            shutil.rmtree(self.ndir, ignore_errors=True)
-            try:
-                os.rmdir(self.base)  # the last node out removes the run's directory
-            except OSError:
-                pass
+            files.remove_node_dir(self.ndir)
         self.last_step = None
         self.comm.Barrier()
 
