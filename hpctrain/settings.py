@@ -18,6 +18,10 @@ HPCTRAIN_MALLOC            ``reuse``: glibc keeps large blocks for reuse     uns
                            (faster steps, more memory kept)
 HPCTRAIN_LOST_NODES        nodes of this Slurm job found lost (commas): a    unset        ``job.runlock`` (the
                            run lock held there is stale                                   standby sets it)
+HPCTRAIN_SPARE_CALL        in a warm spare rank: the file whose appearance   unset        ``job.spares``
+                           calls it to go on (``hpctrain launch`` sets it)
+HPCTRAIN_SPARE_OWNER       ``host:pid`` of the supervisor that started a     unset        ``job.spares``
+                           spare set: its ranks end when it is gone
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``

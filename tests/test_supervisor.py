@@ -291,6 +291,10 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
     assert "train.global_batch_size = 30 is not divisible" in capsys.readouterr().err
     assert launch.main(["-n", "0", "examples/digits.toml"]) == 2
     assert "-n 0: the ranks to start must be at least 1" in capsys.readouterr().err
+    for bad in ("2", "-1"):
+        assert launch.main(["-n", "2", "--spares", bad, "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--spares {bad}: the sets of warm spare ranks kept must be 0 or 1" in err and "not started" in err
     if os.geteuid() == 0:  # Open MPI's refusal, said before a launch that would only repeat it
         monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", raising=False)
         assert launch.main(["-n", "2", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2

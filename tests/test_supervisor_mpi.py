@@ -80,12 +80,13 @@ def final_tensors(run_dir):
     return tensors(ckpt / name)
 
 
-def launch(tmp_path, digits, wrapper, args, env=None, extra=()):
-    """``hpctrain launch ARGS --python WRAPPER examples/digits.toml ...``; (returncode, output)."""
+def launch(tmp_path, digits, wrapper, args, env=None, extra=(), spares=False):
+    """``hpctrain launch ARGS --python WRAPPER examples/digits.toml ...``; (returncode, output). Without
+    warm spares unless ``spares`` (each set is 2-4 more ranks starting beside the test's)."""
     order_dir = tmp_path / "order"
     order_dir.mkdir(exist_ok=True)
-    cmd = [PYTHON, "-m", "hpctrain", "launch", *args, "--python", str(wrapper), "examples/digits.toml",
-           *overrides(tmp_path / "run", digits), *extra]
+    cmd = [PYTHON, "-m", "hpctrain", "launch", *args, *([] if spares else ["--spares", "0"]), "--python", str(wrapper),
+           "examples/digits.toml", *overrides(tmp_path / "run", digits), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(dict(env or {}, SUPERVISED_ORDER=str(order_dir))),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -96,6 +97,14 @@ def launch(tmp_path, digits, wrapper, args, env=None, extra=()):
         raise AssertionError(f"{' '.join(cmd)} did not finish in {LAUNCH_TIMEOUT}s:\n{out[-6000:]}")
     print(out[-3000:])
     return proc.returncode, out
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def metrics(run_dir, kind):
@@ -114,6 +123,7 @@ def assert_same_training(tmp_path, reference):
 
 # 4 -> 3 with train.accumulation=3: 12 samples per rank are 3 micro-batches of 4, then 16 per rank
 # are 4 of 4 (the accumulation is raised, and said); the reference runs 2 ranks x 24 x 1.
+# "2-same" runs as a user's launch does, with a warm spare set: the kill waits until it is up.
 @pytest.mark.parametrize("ranks,shrink,extra,said", [
     (2, False, [], "restart 1 of at most 3: 2 -> 2 rank(s) (same size)"),
     (4, True, ["train.accumulation=3"], "global batch 48 kept: 4 per rank x 3 ranks x 4 (train.accumulation 3 -> 4"),
@@ -121,12 +131,20 @@ def assert_same_training(tmp_path, reference):
 def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wrapper, reference, ranks, shrink,
                                                             extra, said):
     kill_step, kill_rank = RNG.randint(2, STEPS - 1), RNG.randrange(ranks)
-    print(f"SIGKILL of rank {kill_rank} at step {kill_step} of {ranks} ranks (shrink {shrink})")
+    spares = not shrink
+    print(f"SIGKILL of rank {kill_rank} at step {kill_step} of {ranks} ranks (shrink {shrink}, spares {spares})")
     code, out = launch(tmp_path, digits, wrapper, ["-n", str(ranks)] + (["--shrink"] if shrink else []),
                        env={"SUPERVISED_KILL_STEP": str(kill_step), "SUPERVISED_KILL_RANK": str(kill_rank),
-                            "SUPERVISED_MARKER": str(tmp_path / "killed")}, extra=extra)
+                            "SUPERVISED_MARKER": str(tmp_path / "killed"),
+                            "SUPERVISED_KILL_AFTER": str(tmp_path / "run" / ".spares" / "*.ready") if spares else ""},
+                       extra=extra, spares=spares)
     assert code == 0, out[-6000:]
     assert (tmp_path / "killed").exists(), "the kill never happened"
+    assert ("hpctrain launch: calling the warm spares 2 rank(s)" in out) == spares, out[-6000:]
+    assert ("warm spares ready: 2 rank(s) holding" in out) == spares
+    # the set started for a next relaunch is ended with the run: no rank, no file of it left
+    assert not (tmp_path / "run" / ".spares").exists()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path / "run") in _cmdline(p)]
     after = ranks - 1 if shrink else ranks
     assert f"rank {kill_rank} on" in out and "killed by signal 9 (SIGKILL)" in out
     assert f"restart 1 of at most 3: {ranks} -> {after} rank(s)" in out and said in out
@@ -152,9 +170,11 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
     cost = re.search(r"restart 1 cost ([\d.]+) s from the last step to the first after it: (.*)", report.stdout)
     assert cost, report.stdout
     parts = {name: float(seconds) for name, seconds in (p.rsplit(" ", 1) for p in cost.group(2).split(", "))}
-    assert list(parts) == ["launcher gone", "decision", "ranks started", "imports", "mpi", "backend", "run_dir",
-                           "data", "model", "resume", "monitor", "first logged step"], parts
-    assert all(v >= 0 for v in parts.values()) and parts["imports"] > 0, parts
+    # warm spares start up before they are needed: only what follows their call is part of the cost
+    started = ["spares called"] if spares else ["ranks started", "imports", "mpi"]
+    assert list(parts) == ["launcher gone", "decision", *started, "backend", "run_dir", "data", "model", "resume",
+                           "monitor", "first logged step"], parts
+    assert all(v >= 0 for v in parts.values()) and (spares or parts["imports"] > 0), parts
     assert abs(sum(parts.values()) - float(cost.group(1))) < 0.05, parts  # the parts make up the whole
 
 
@@ -236,3 +256,72 @@ def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path
     assert step > 0 and latest_step(tmp_path / "run")[0] == step, out[-3000:]
     # the node-local snapshots go with the stop: the HDF5 file of the same step holds what they held
     assert not [p for p in (tmp_path / "local").rglob("*") if p.is_file()], out[-3000:]
+    # and so do the warm spares, started or starting: no rank of them is left
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path / "run") in _cmdline(p)]
+
+
+def _pids(run_dir, spare):
+    """Ranks of the run in ``run_dir`` (not mpirun, not the supervisor): those of a warm spare set or not."""
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        cmd = _cmdline(pid)
+        if f"run.run_dir={run_dir}" not in cmd or " train " not in cmd or " launch " in cmd or "mpirun" in cmd:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                is_spare = b"HPCTRAIN_SPARE_CALL=" in f.read()
+        except OSError:
+            continue
+        if is_spare == spare:
+            found.append(int(pid))
+    return found
+
+
+def test_a_spare_set_that_ends_early_is_replaced_and_the_next_is_called(tmp_path, digits, wrapper):
+    """A warm spare rank killed while its set waits: the supervisor says so and starts another set, never
+    calling the broken one. A training rank killed next: the new set is called (its restart cost counts from
+    the call), resumes from the newest checkpoint, and SIGUSR1 then saves and ends it, with every spare gone."""
+    import threading
+    import time
+
+    run = tmp_path / "run"
+    cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
+           *overrides(run, digits), "train.max_steps=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"SUPERVISED_STEP_SLEEP": "0.05"}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(text, count=1):
+        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
+        while sum(text in line for line in lines) < count:
+            assert time.monotonic() < deadline and proc.poll() is None, f"no {text!r}:\n{''.join(lines)[-6000:]}"
+            time.sleep(0.1)
+
+    try:
+        wait_for("warm spares ready: 2 rank(s)")
+        os.kill(_pids(run, spare=True)[0], signal.SIGKILL)
+        wait_for("warm spares: the set ended before it was needed")
+        wait_for("warm spares ready: 2 rank(s)", count=2)
+        os.kill(_pids(run, spare=False)[0], signal.SIGKILL)
+        wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
+        wait_for("hpctrain: resumed from")
+        wait_for("loss", count=sum("loss" in line for line in lines) + 1)  # a step after the resume
+        proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=LAUNCH_TIMEOUT)
+        reader.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    print(out[-3000:])
+    assert proc.returncode == 3, out[-6000:]
+    assert out.count("calling the warm spares") == 1 and "relaunching" not in out
+    step = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
+    assert latest_step(run)[0] == step
+    (restart,) = metrics(run, "restart")
+    assert restart["resume_step"] <= restart["failed_step"] and restart["resume_step"] < step
+    starts = metrics(run, "start")
+    assert [s["spare"] for s in starts] == [False, True]
+    assert not (run / ".spares").exists() and not _pids(run, True) and not _pids(run, False)

@@ -178,7 +178,8 @@ def test_script_takes_overrides_stops_on_the_warning_signal_and_resumes(tmp_path
 def test_launch_supervises_a_script(tmp_path):
     """`hpctrain launch -n 2 SCRIPT.py overrides`: the supervisor starts the script itself (not
     `hpctrain train`), with the overrides and the run directory it chose."""
-    result = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--launcher-args=--oversubscribe",
+    result = subprocess.run([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--spares", "0",
+                             "--launcher-args=--oversubscribe",
                              "examples/train_script.py", "train.epochs=1", f"run.run_dir={tmp_path}/run"],
                             capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=ROOT)
     out = result.stdout + result.stderr

@@ -37,6 +37,11 @@ def build_parser():
     parser.add_argument("--launcher-args", "--mpirun-args", "--srun-args", dest="launcher_args", default="",
                         metavar="ARGS", help="more arguments for mpirun or srun, one string "
                                              "(e.g. --mpirun-args='--oversubscribe --bind-to none')")
+    parser.add_argument("--spares", type=int, default=1, metavar="SETS",
+                        help="sets of warm spare ranks kept started for the next relaunch (default 1; 0: none). "
+                             "Started once training runs, they wait without using a core, holding about the "
+                             "memory the ranks hold at start-up; a relaunch calls them instead of starting "
+                             "ranks (mpirun; not under srun yet)")
     parser.add_argument("--python", default=None, help="the Python the ranks run (default: this one)")
     parser.add_argument("config", help="TOML configuration file, or a Python training script (.py) that takes "
                                        "section.key=value overrides")

@@ -8,6 +8,7 @@
 * :mod:`.launchers`: the ``mpirun`` and ``srun`` command lines of ``hpctrain launch``, and one launch run;
 * :mod:`.diagnosis`: what failed in a launch (the ranks' records, the launcher's output), and if a relaunch helps;
 * :mod:`.relaunch`: ``hpctrain launch``'s supervision: launch, read what failed, relaunch or stop;
+* :mod:`.spares`: warm spare ranks: the next launch started ahead of need, called on a failure;
 * :mod:`.standby`: ``python -m hpctrain.job.standby``, a supervisor on a second node that takes the job over
   when Slurm loses its first node (``slurm/resilient.sbatch`` starts it).
 """

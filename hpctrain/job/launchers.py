@@ -32,12 +32,14 @@ class Mpirun:
     def __init__(self, extra=()):
         self.extra = list(extra)
 
-    def command(self, ranks, hosts, rank_cmd):
-        """``hosts``: ``{host: slots}`` to use (``None``: mpirun's own default)."""
+    def command(self, ranks, hosts, rank_cmd, exports=()):
+        """``hosts``: ``{host: slots}`` to use (``None``: mpirun's own default); ``exports``: more
+        ``HPCTRAIN_*`` settings the ranks get on every host."""
         cmd = ["mpirun", "-n", str(ranks)]
         if hosts:
             cmd += ["--host", ",".join(f"{h}:{k}" for h, k in hosts.items())]
-        cmd += ["-x", settings.name("FAILURE_FILE")]
+        for key in ("FAILURE_FILE", *exports):
+            cmd += ["-x", settings.name(key)]
         if settings.mca(SIGKILL_TIMEOUT) is None and SIGKILL_TIMEOUT not in self.extra:
             cmd += ["--mca", SIGKILL_TIMEOUT, "0"]
         return cmd + self.extra + list(rank_cmd)
@@ -76,24 +78,40 @@ class Attempt:
 
 
 class _Tee(threading.Thread):
-    """Copies one pipe of the launcher to ours, keeping its last bytes to read."""
+    """Copies one pipe of the launcher to ours, keeping its last bytes to read. A warm spare set's output is
+    held back until it is called (:meth:`pass_on`): one that is never called is never heard."""
 
-    def __init__(self, pipe, out):
+    def __init__(self, pipe, out, passing=True):
         super().__init__(daemon=True)
         self.pipe, self.out, self.tail = pipe, out, collections.deque()
         self.size = 0
+        self.passing, self.held = passing, []
+        self.lock = threading.Lock()
 
     def run(self):
         for chunk in iter(lambda: self.pipe.read1(65536), b""):
-            try:
-                self.out.write(chunk)
-                self.out.flush()
-            except (OSError, ValueError):
-                pass
+            with self.lock:
+                if self.passing:
+                    self._write(chunk)
+                else:
+                    self.held.append(chunk)
             self.tail.append(chunk)
             self.size += len(chunk)
             while self.size > TAIL_BYTES and len(self.tail) > 1:
                 self.size -= len(self.tail.popleft())
+
+    def _write(self, chunk):
+        try:
+            self.out.write(chunk)
+            self.out.flush()
+        except (OSError, ValueError):
+            pass
+
+    def pass_on(self):
+        with self.lock:
+            for chunk in self.held:
+                self._write(chunk)
+            self.held, self.passing = [], True
 
     def text(self):
         return b"".join(self.tail).decode(errors="replace")
@@ -106,20 +124,42 @@ def _size(path):
         return 0
 
 
-def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child: None):
-    """Run one launch to its end; ``started_child(child)`` is told the process (to forward
-    signals to), then ``None``. The records are those the launch appended."""
+class Launch:
+    """A started launcher: its process, and its output passed through (``quiet``: held back until
+    :meth:`pass_on`) with the tail kept."""
+
+    def __init__(self, cmd, env, quiet=False):
+        self.child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.tees = [_Tee(self.child.stdout, sys.stdout.buffer, not quiet),
+                     _Tee(self.child.stderr, sys.stderr.buffer, not quiet)]
+        for t in self.tees:
+            t.start()
+
+    def pass_on(self):
+        for t in self.tees:
+            t.pass_on()
+
+    def finish(self):
+        """After the launcher ended: its output read to the end; the tail."""
+        for t in self.tees:
+            t.join(timeout=10)
+        return self.tees[0].text() + "\n" + self.tees[1].text()
+
+
+def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child: None, launch=None):
+    """Run one launch to its end (``launch``: one started ahead, a warm spare set, called here);
+    ``started_child(child)`` is told the process (to forward signals to), then ``None``. The records are
+    those the launch appended."""
     offsets = _size(failure_file), _size(metrics_file)
     started = time.monotonic()
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    started_child(child)
-    tees = [_Tee(child.stdout, sys.stdout.buffer), _Tee(child.stderr, sys.stderr.buffer)]
-    for t in tees:
-        t.start()
-    returncode = child.wait()
+    if launch is None:
+        launch = Launch(cmd, env)
+    else:
+        launch.wake()
+    started_child(launch.child)
+    returncode = launch.child.wait()
     ended = time.time()
-    for t in tees:
-        t.join(timeout=10)
+    tail = launch.finish()
     started_child(None)
-    return Attempt(returncode, tees[0].text() + "\n" + tees[1].text(), read_records(failure_file, offsets[0]),
+    return Attempt(returncode, tail, read_records(failure_file, offsets[0]),
                    read_records(metrics_file, offsets[1]), time.monotonic() - started, ended)

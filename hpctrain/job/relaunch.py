@@ -28,6 +28,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from ..checkpoint.directory import newest_step
 from ..config import load_config, resolve_global_batch
 from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
 from ..runtime import slurm
-from . import diagnosis, rundir
+from . import diagnosis, rundir, spares
 from .launchers import Mpirun, Srun, run_launch
 
 PROGRAM = "hpctrain launch"  # the name its messages begin with
@@ -78,6 +79,7 @@ class LaunchPlan:
     lr_scaling: str = "none"
     excluded: list = field(default_factory=list)
     local_level: bool = False  # checkpoint.local: a relaunch may resume from a snapshot newer than any file
+    spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`; mpirun only)
 
     def rank_command(self, relaunch):
         # a Python script runs as it is, with the same overrides (it takes section.key=value)
@@ -154,6 +156,11 @@ def make_plan(args, environ=None):
                           hint=f"e.g. --min-ranks {max(1, ranks // 2)}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0", hint="e.g. --max-restarts 3")
+    if getattr(args, "spares", 0) not in (0, 1):
+        raise ConfigError(f"--spares {args.spares}: the sets of warm spare ranks kept must be 0 or 1",
+                          hint="--spares 1 (the default) keeps the next launch's ranks started; --spares 0 none")
+    # warm spares only where a relaunch may come, and under mpirun (srun: a step beside the running one)
+    spares_kept = getattr(args, "spares", 0) if isinstance(launcher, Mpirun) and args.max_restarts else 0
     if cfg.train.global_batch_size:
         resolve_global_batch(cfg.train.global_batch_size, ranks, cfg.train.accumulation)
     run_dir = os.path.abspath(cfg.run.run_dir) if cfg.run.run_dir else rundir.new_path(cfg)
@@ -164,7 +171,7 @@ def make_plan(args, environ=None):
     return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
                       cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
-                      cfg.checkpoint.local)
+                      cfg.checkpoint.local, spares_kept)
 
 
 class Supervisor:
@@ -175,6 +182,9 @@ class Supervisor:
         self.environ = dict(os.environ if environ is None else environ)
         self.stop_signal = None  # a signal we were sent: passed on, and no relaunch after it
         self.child = None
+        owner = {settings.name("SPARE_OWNER"): f"{socket.gethostname()}:{os.getpid()}"}
+        self.spares = spares.Spares(plan.spares, plan.run_dir, dict(self.environ, **self._launch_env(), **owner),
+                                    lambda ranks: self.command(ranks, True, spare=True), say)
 
     # -- signals: Slurm's warning, its end-of-job SIGTERM and SIGINT end the supervision. The first reaches the
     # ranks as SIGUSR1, which mpirun (and srun) pass on untouched and the ranks take as "save, then stop"
@@ -196,29 +206,44 @@ class Supervisor:
             if sig is not None:
                 signal.signal(sig, self._forward)
 
-    def command(self, ranks, relaunch):
-        """The launcher's command line for ``ranks`` ranks, without the excluded nodes."""
+    def command(self, ranks, relaunch, spare=False):
+        """The launcher's command line for ``ranks`` ranks, without the excluded nodes (``spare``: for a
+        warm spare set, which mpirun tells where its call comes from)."""
         p = self.plan
         rank_cmd = p.rank_command(relaunch)
         if isinstance(p.launcher, Srun):
             hosts = [h for h in (p.hosts or {}) if h not in p.excluded]
             return p.launcher.command(ranks, hosts, rank_cmd, p.excluded)
         hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
-        return p.launcher.command(ranks, hosts, rank_cmd)
+        return p.launcher.command(ranks, hosts, rank_cmd, ("SPARE_CALL", "SPARE_OWNER") if spare else ())
+
+    def _launch_env(self):
+        return {settings.name("FAILURE_FILE"): self.plan.failure_file}
 
     def launch(self, ranks, relaunch):
         p = self.plan
         os.makedirs(p.run_dir, exist_ok=True)
-        cmd = self.command(ranks, relaunch)
-        say(f"{'relaunching' if relaunch else 'starting'} {ranks} rank(s): {shlex.join(cmd)}")
-        env = dict(self.environ, **{settings.name("FAILURE_FILE"): p.failure_file})
-        return run_launch(cmd, env, p.failure_file, p.metrics_file, lambda child: setattr(self, "child", child))
+        spare = self.spares.take(ranks) if relaunch else None
+        cmd = spare.cmd if spare else self.command(ranks, relaunch)
+        how = "calling the warm spares" if spare else "relaunching" if relaunch else "starting"
+        say(f"{how} {ranks} rank(s): {shlex.join(cmd)}")
+        self.spares.keep_ready(ranks, spares.training_started(p.metrics_file))
+        return run_launch(cmd, dict(self.environ, **self._launch_env()), p.failure_file, p.metrics_file,
+                          lambda child: setattr(self, "child", child), launch=spare)
 
     def run(self):
+        try:
+            return self._supervise()
+        finally:
+            self.spares.close()
+
+    def _supervise(self):
         p = self.plan
         self._install_signals()
         ranks, restarts = p.ranks, 0
-        say(f"run directory {p.run_dir}; up to {p.max_restarts} restart(s), at least {p.min_ranks} rank(s)")
+        kept = (f"; {p.spares} set of warm spare ranks for the next relaunch, started once training runs "
+                f"(memory: about what the ranks hold at start-up, said once up; --spares 0: none)") if p.spares else ""
+        say(f"run directory {p.run_dir}; up to {p.max_restarts} restart(s), at least {p.min_ranks} rank(s){kept}")
         while True:
             attempt = self.launch(ranks, relaunch=restarts > 0)
             if attempt.returncode == 0:

@@ -91,8 +91,8 @@ def restart_costs(records):
         if ended:
             parts["launcher gone"] = ended - before[-1]
             parts["decision"] = at - ended
-        if began:
-            parts["ranks started"] = began - at
+        if began:  # a warm spare set was started ahead: it only had to be called
+            parts["spares called" if start.get("spare") else "ranks started"] = began - at
         parts.update(start.get("startup") or {})
         if began:
             parts["monitor"] = start["timestamp"] - began - sum((start.get("startup") or {}).values())

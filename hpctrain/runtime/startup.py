@@ -14,10 +14,14 @@ from .system import proc_state
 _clock = time.time
 _marks = {}  # part -> the time it ended
 _since = None  # where the next take() begins: the process start, then the previous take()
+_called = None  # when this process, a warm spare, was called: its start-up counts from then
 
 
 def process_started():
-    """When this process started (seconds since the epoch; Linux /proc), or None where unknown."""
+    """When this process started (seconds since the epoch; Linux /proc), or None where unknown; for a warm
+    spare (:mod:`hpctrain.job.spares`), when it was called."""
+    if _called is not None:
+        return _called
     ticks = proc_state(os.getpid())[1]
     try:  # the start in clock ticks since boot, against the uptime now (/proc/stat's btime is whole seconds)
         with open("/proc/uptime") as f:
@@ -30,6 +34,19 @@ def process_started():
 def mark(part):
     """``part`` of the start-up ends now."""
     _marks[part] = _clock()
+
+
+def was_called():
+    """Whether this process was a warm spare, called (:func:`called`)."""
+    return _called is not None
+
+
+def called():
+    """This process was started ahead of need and is called now: what it did before is not start-up a
+    restart waited for."""
+    global _called, _since
+    _called = _since = _clock()
+    _marks.clear()
 
 
 def take():

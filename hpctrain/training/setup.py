@@ -1,8 +1,9 @@
 """Setting up a run: the named steps of :meth:`hpctrain.Trainer.fit` before its first step, in
 the order every rank follows (each collective one is entered by every rank, or fails on all).
 
-    validate -> watchdog -> steps (backend, process grid) -> run directory and its lock -> data and sampler ->
-    model -> optimizer and state -> checkpoints -> resume and broadcast -> monitor -> the run's first lines
+    (a warm spare's call) -> validate -> watchdog -> steps (backend, process grid) -> run directory and its
+    lock -> data and sampler -> model -> optimizer and state -> checkpoints -> resume and broadcast -> monitor
+    -> the run's first lines
 """
 import dataclasses
 import os
@@ -12,7 +13,7 @@ from ..config import is_split, step_budget, validate
 from ..data import ShardSampler, open_datasets
 from ..data.loading import PrefetchingReader
 from ..errors import ConfigError
-from ..job import rundir, runlock
+from ..job import rundir, runlock, spares
 from ..job.watchdog import Watchdog, watching
 from ..models import count_parameters
 from ..monitoring.monitor import Monitor, build_callbacks
@@ -36,6 +37,7 @@ def set_up(trainer, local):
     import torch
 
     world = trainer.world = trainer.world or init_world()
+    spares.wait_until_called(world)  # a warm spare rank of hpctrain launch waits here for its call
     cfg = _validated(trainer.config, world, need_data=trainer.train_data is None)
     t = cfg.train
     # A step, or any other collective phase (watching(...)), that outlives step_timeout (a

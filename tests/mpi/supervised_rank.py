@@ -11,6 +11,8 @@ SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itsel
     relaunch runs through), at every launch without it. SUPERVISED_ACTION=raise: raise a
     RuntimeError there instead (the rank's own failure record, then the abort); =hang: sleep
     for an hour (the watchdog ends the job).
+SUPERVISED_KILL_AFTER=GLOB: before that failure, wait (up to 120 s) for a file matching GLOB to
+    exist (e.g. the warm spares' ready file).
 SUPERVISED_STEP_SLEEP=S: sleep S seconds in every step (a run long enough to signal).
 SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
     "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
@@ -35,6 +37,14 @@ def _append(path, text):
         os.close(fd)
 
 
+def _wait_for(pattern, timeout=120):
+    import glob
+
+    deadline = time.monotonic() + timeout
+    while pattern and not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def install():
     from hpctrain.training import trainer
 
@@ -49,6 +59,7 @@ def install():
         step = run.state.progress.step + 1
         if kill_step and step == kill_step and run.world.rank == kill_rank:
             if not marker or not os.path.exists(marker):
+                _wait_for(os.environ.get("SUPERVISED_KILL_AFTER"))
                 if marker:
                     _append(marker, f"rank {run.world.rank} killed at step {step}\n")
                 action = os.environ.get("SUPERVISED_ACTION", "kill")

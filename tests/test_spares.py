@@ -1,0 +1,56 @@
+"""Warm spare ranks (hpctrain.job.spares), the pure parts and one process: when a launch counts as
+training, the supervisor check a waiting spare makes, and a spare set's output held back until it is
+called. The spares under a real mpirun: tests/test_supervisor_mpi.py."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+from hpctrain.job import spares
+from hpctrain.job.launchers import Launch
+
+
+def test_a_launch_trains_once_a_start_record_follows_the_launch(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"kind": "start", "step": 0}) + "\n")  # the launch before this one
+    started = spares.training_started(str(metrics))
+    assert not started()
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"kind": "restart"}) + "\n" + '{"kind": "sta')  # a line still being written
+    assert not started()
+    with open(metrics, "a") as f:
+        f.write('rt", "step": 6}\n')
+    assert started() and started()
+    assert spares.training_started(str(tmp_path / "none.jsonl"))() is False
+
+
+def test_a_rank_that_is_not_a_spare_goes_on_and_a_spare_sees_its_supervisor_gone(monkeypatch):
+    monkeypatch.delenv("HPCTRAIN_SPARE_CALL", raising=False)
+    assert spares.wait_until_called(world=None) is False  # not a spare: nothing to wait for, no MPI touched
+    import socket
+
+    host = socket.gethostname()
+    assert not spares._owner_gone(f"{host}:{os.getpid()}")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert spares._owner_gone(f"{host}:{ended.pid}")
+    assert not spares._owner_gone(f"another-host:{ended.pid}")  # cannot be checked from here: not gone
+    assert not spares._owner_gone(None)
+
+
+def test_a_spare_sets_output_is_held_back_until_it_is_called(capfd):
+    launch = Launch([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                    dict(os.environ), quiet=True)
+    try:
+        for _ in range(100):
+            if launch.tees[0].held:
+                break
+            time.sleep(0.05)
+        assert "up" not in capfd.readouterr().out
+        launch.pass_on()
+        assert "up" in capfd.readouterr().out
+    finally:
+        launch.child.kill()
+        launch.child.wait()
+        launch.finish()
