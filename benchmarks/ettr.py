@@ -9,7 +9,8 @@ ETTR = steps kept / steps the uninterrupted run made in the same wall time. Each
 the ranks save and exit); steps kept are the step of that last checkpoint. Per failure: the restart's cost
 from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown), and the
 steps computed again. Configurations: ``defaults`` (what a user gets: a checkpoint per epoch of 1024
-steps), ``local`` (``checkpoint.local = true``, its interval chosen by hpctrain). The model: an MLP of
+steps; a warm spare set), ``local`` (``checkpoint.local = true``, its interval chosen by hpctrain), ``cold`` and
+``cold-local`` (the same with ``--spares 0``: every relaunch starts its ranks). The model: an MLP of
 0.56M parameters on the generated teacher data (65536 samples, global batch 64). The load average is recorded
 before and after each run; run nothing else meanwhile.
 """
@@ -37,12 +38,25 @@ from hpctrain.monitoring.report import restart_costs, restart_events  # noqa: E4
 MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",
          "data.generate=teacher", "data.val=none", "train.max_steps=1000000000", "train.epochs=100000",
          "monitor.progress=log", "monitor.log_every=20"]
-CONFIGS = {"defaults": [], "local": ["checkpoint.local=true"]}
+# name: (options of hpctrain launch, overrides)
+CONFIGS = {"defaults": ([], []), "local": ([], ["checkpoint.local=true"]),
+           "cold": (["--spares", "0"], []), "cold-local": (["--spares", "0"], ["checkpoint.local=true"])}
+
+
+def _idle_spare(pid):
+    """Whether ``pid`` is a warm spare rank not called yet (killing it is no failure of the training)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return True
+    call = env.get(b"HPCTRAIN_SPARE_CALL")
+    return call is not None and not os.path.exists(call)
 
 
 def rank_pids(run_dir):
-    """The ranks of the run in ``run_dir`` (python processes of ``hpctrain train``, not mpirun or the
-    supervisor)."""
+    """The training ranks of the run in ``run_dir`` (python processes of ``hpctrain train``, not mpirun, the
+    supervisor or a warm spare waiting for its call)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -56,7 +70,7 @@ def rank_pids(run_dir):
         if (f"run.run_dir={run_dir}" in text and " train " in f" {text} " and "launch" not in text
                 and not os.path.basename(argv[0].decode(errors="replace")).startswith(("mpirun", "orted", "prterun"))):
             pids.append(int(entry))
-    return pids
+    return [p for p in pids if not _idle_spare(p)]
 
 
 def final_step(run_dir):
@@ -66,9 +80,10 @@ def final_step(run_dir):
 
 def one_run(name, config, minutes, every, out, data):
     run_dir = os.path.join(out, name)
-    cmd = [os.path.join(ROOT, ".venv", "bin", "hpctrain"), "launch", "-n", "2", "--max-restarts", "1000",
+    options, overrides = CONFIGS[config]
+    cmd = [os.path.join(ROOT, ".venv", "bin", "hpctrain"), "launch", "-n", "2", "--max-restarts", "1000", *options,
            os.path.join(ROOT, "examples", "digits.toml"), f"data.path={data}", f"run.run_dir={run_dir}",
-           *MODEL, *CONFIGS[config]]
+           *MODEL, *overrides]
     load_before = os.getloadavg()
     log = open(os.path.join(out, f"{name}.log"), "w")
     started = time.monotonic()
