@@ -199,6 +199,8 @@ def test_second_job_on_the_same_run_dir_fails_and_overwrites_nothing(slurm_clust
         assert (run_dir / "config.toml").read_bytes() == config_before
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints_before
     finally:
+        # SIGKILL: its rank 0 sleeps and would hold the job for KillWait after a SIGTERM
+        slurm_cluster.run(["scancel", "--full", "--signal=KILL", first], check=False)
         slurm_cluster.run(["scancel", first], check=False)
     slurm_cluster.wait(first, JOB_TIMEOUT)
 
