@@ -286,7 +286,8 @@ def test_a_spare_set_that_ends_early_is_replaced_and_the_next_is_called(tmp_path
 
     run = tmp_path / "run"
     cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
-           *overrides(run, digits), "train.max_steps=0"]
+           *overrides(run, digits), "train.max_steps=0", "train.epochs=1000"]  # ended by the SIGUSR1 below:
+    # a loaded machine brings the spare sets up slowly, and a run of the example's epochs could end first
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"SUPERVISED_STEP_SLEEP": "0.05"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
