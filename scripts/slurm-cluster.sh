@@ -246,6 +246,10 @@ wait_idle() {
     fi
     nodes=$(echo "$states" | awk '$2 ~ /^(down|drain)/ {print $1}' | paste -sd, -)
     [ -n "$nodes" ] && SLURM_CONF=$DIR/slurm.conf scontrol update nodename="$nodes" state=resume >/dev/null 2>&1 || true
+    # still completing a job after 30 s (a node that was cut off): down, and so idle once resumed above
+    nodes=$(echo "$states" | awk '$2 ~ /^comp/ {print $1}' | paste -sd, -)
+    [ "$i" -ge 60 ] && [ -n "$nodes" ] && SLURM_CONF=$DIR/slurm.conf scontrol update nodename="$nodes" state=down \
+      reason="completing for 30 s" >/dev/null 2>&1 || true
     sleep 0.5
   done
   die "the nodes did not become idle in 60 s (${states:-no answer from sinfo}); see $DIR/log/slurmctld.log and slurmd*.log"

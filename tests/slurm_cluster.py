@@ -6,6 +6,7 @@ One node (:class:`SlurmCluster`) is this machine; several (:class:`MultiNodeClus
 nodes n1..nN in network namespaces of this machine, sharing its filesystem, which a test can
 kill or cut off the network.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -178,6 +179,7 @@ class MultiNodeCluster(SlurmCluster):
     def __init__(self, directory, nodes=3):
         super().__init__(directory)
         self.nodes = nodes
+        self.cut_off = set()  # nodes whose link a test took down
 
     @property
     def network(self):
@@ -209,26 +211,76 @@ class MultiNodeCluster(SlurmCluster):
         return [int(p) for p in proc.stdout.split()]
 
     def kill_node(self, node):
-        """The node dies: SIGKILL to its slurmd and everything it started. Returns the pids."""
+        """The node dies: SIGKILL to its slurmd and everything it started, at once. Returns the pids."""
         pids = self.node_pids(node)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_at_once(pids)
         return pids
 
     def set_link(self, node, up):
         subprocess.run(["ip", "link", "set", self.veth(node), "up" if up else "down"], check=True, timeout=30)
+        (self.cut_off.discard if up else self.cut_off.add)(node)
 
     def heal(self, timeout=180):
         """Every link up, every dead slurmd started again, every node idle: the cluster as a test
         that killed or cut off a node found it."""
         for node in self.node_names():
+            # A cut-off node's job processes (batch script, supervisor, ranks) lived on without Slurm, and
+            # its slurmd must end them once it answers again: under load that kept the node "completing"
+            # past the start script's wait. They are the lost job's; end them before the link comes back.
+            if node in self.cut_off:
+                _kill_at_once([pid for pid in self.node_pids(node) if _command_name(pid) not in ("slurmd", None)])
             self.set_link(node, True)
         proc = self._script_start(timeout)
         if proc.returncode != 0:
             raise AssertionError(f"{SCRIPT.name} could not bring the nodes back:\n{proc.stderr[-3000:]}")
+
+
+def _command_name(pid):
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1's freezer, where this machine has it
+
+
+def _kill_at_once(pids):
+    """SIGKILL to ``pids`` as one event, as when a node dies. Killed one by one, a process may see another
+    die and act, as nothing on a dead node can: an srun that finds its batch script gone cancels its step,
+    and the standby's step (on another node) with it. (SIGSTOP first would not do: a process group left
+    with stopped members gets SIGHUP and SIGCONT from the kernel.) So they are frozen (their cgroup), sent
+    SIGKILL, and thawed: each dies before it runs again. Without a freezer, one by one."""
+    group = FREEZER / f"hpctrain-kill-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        for pid in pids:
+            try:
+                (group / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                pass
+        (group / "freezer.state").write_text("FROZEN")
+        deadline = time.monotonic() + 10
+        while (group / "freezer.state").read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except OSError:
+        group = None
+    for pid in pids:
+        _kill(pid)
+    if group is not None:
+        (group / "freezer.state").write_text("THAWED")
+        deadline = time.monotonic() + 10
+        while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def start_or_reason(directory, nodes=1):
