@@ -113,8 +113,10 @@ def submit_resilient(cluster, tmp_path, digits, steps, *extra):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(VENV_PYTHON)
     (venv / "bin" / "python").chmod(0o755)
+    # --start-timeout 60: a relaunch whose start-up hangs (seen once: PMIx between the stepds of a node that had
+    # just come back) is ended and launched again, as a user's would be after 600 s
     env = cluster.env({"HPCTRAIN_RUN_ROOT": str(tmp_path / "runs"), "HPCTRAIN_VENV": str(venv),
-                       "SUPERVISED_STEP_SLEEP": "0.3"})
+                       "SUPERVISED_STEP_SLEEP": "0.3", "HPCTRAIN_LAUNCH_ARGS": "--start-timeout 60"})
     args = ["examples/digits.toml", f"data.path={digits}", "data.val=none", f"train.max_steps={steps}",
             "checkpoint.every_steps=4", "train.global_batch_size=48", "monitor.log_every=1", "monitor.progress=log",
             "comm.backend=mpi", *extra]
@@ -123,7 +125,8 @@ def submit_resilient(cluster, tmp_path, digits, steps, *extra):
 
 
 def assert_finished_without(cluster, tmp_path, job, steps, node):
-    """The job completed in its first start, relaunched once without ``node``, on 2 ranks."""
+    """The job completed in its first start, relaunched once without ``node``, on 2 ranks (and again only
+    where a relaunch's start-up hung). Returns the first restart's record."""
     (record,) = cluster.wait(job, JOB_TIMEOUT)
     out = output_of(tmp_path, job)
     print(out[-5000:])
@@ -131,9 +134,10 @@ def assert_finished_without(cluster, tmp_path, job, steps, node):
     assert record["Restarts"] == "0", record  # relaunched inside the allocation, never requeued
     assert re.search(rf"relaunching 2 rank\(s\): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 --exclude={node} -N 2 --overlap",
                      out), out[-5000:]
-    assert "done after 1 restart(s)" in out, out[-5000:]
     run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
-    (restart,) = records(run_dir, "restart")
+    restart, *stalled = records(run_dir, "restart")
+    assert all(r["cause"] == "stalled" for r in stalled), stalled
+    assert f"done after {1 + len(stalled)} restart(s)" in out, out[-5000:]
     assert restart["host"] == node and restart["excluded"] == [node], restart
     assert (restart["ranks_before"], restart["ranks_after"]) == (3, 2), restart
     last_start = records(run_dir, "start")[-1]
@@ -202,9 +206,15 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     have ended it (COMPLETED, exit code 0), not left holding its nodes. Returns the takeover and job_end records."""
     # The job's end as Slurm logs it (jobcomp, once per end: one line, no requeue). Slurm lists the job as
     # completing until the lost node answers again or SlurmdTimeout says it is down: the test heals it.
-    (record,) = cluster.wait_for(lambda: cluster.completions(job), JOB_TIMEOUT, f"job {job} to end")
     run_dir = tmp_path / "runs" / f"hpctrain-resilient-{job}"
-    log = (run_dir / f"standby-{job}.out").read_text()
+    standby_log = run_dir / f"standby-{job}.out"
+    try:
+        (record,) = cluster.wait_for(lambda: cluster.completions(job), JOB_TIMEOUT, f"job {job} to end")
+    except AssertionError as e:  # what the standby said is the first thing to read
+        said = standby_log.read_text()[-5000:] if standby_log.exists() else "(no standby log)"
+        raise AssertionError(f"{e}\n--- {standby_log.name}\n{said}\n--- job output\n"
+                             f"{''.join(p.read_text()[-3000:] for p in tmp_path.glob(f'*-{job}.out'))}") from None
+    log = standby_log.read_text()
     print(log[-5000:])
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{log[-5000:]}"
     # found by the standby's own knock at n1's slurmd, not by waiting for Slurm to take n1 out of the job

@@ -295,6 +295,9 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
         assert launch.main(["-n", "2", "--spares", bad, "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert f"--spares {bad}: the sets of warm spare ranks kept must be 0 or 1" in err and "not started" in err
+    assert launch.main(["-n", "2", "--start-timeout", "-5", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "--start-timeout -5.0: seconds must be >= 0 (0: no limit)" in err and "not started" in err
     if os.geteuid() == 0:  # Open MPI's refusal, said before a launch that would only repeat it
         monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", raising=False)
         assert launch.main(["-n", "2", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
@@ -410,3 +413,21 @@ def test_mpirun_ends_the_other_ranks_of_a_failed_launch_without_a_grace(monkeypa
     assert own.count("odls_base_sigkill_timeout") == 1 and own[own.index("odls_base_sigkill_timeout") + 1] == "3"
     monkeypatch.setenv("OMPI_MCA_odls_base_sigkill_timeout", "2")
     assert "odls_base_sigkill_timeout" not in Mpirun().command(2, None, ["python", "x.py"])
+
+
+def test_a_file_counts_as_written_once_its_inode_size_or_time_changes(tmp_path):
+    """How the supervisor sees the ranks through start-up (rank 0 rewrites config.toml), on any node's clock."""
+    from hpctrain.job.launchers import changed
+
+    path = tmp_path / "config.toml"
+    written = changed(path)
+    assert not written()  # not there yet
+    path.write_text("a")
+    assert written()
+    written = changed(path)
+    assert not written()
+    os.utime(path, ns=(1, 1))  # an older time than before still counts: another node's clock
+    assert written()
+    stalled = diagnosis.stalled(600)
+    assert (stalled.cause, stalled.restartable, stalled.source) == ("stalled", True, "supervisor")
+    assert stalled.describe() == "the ranks did not get through start-up (imports, MPI) in 600 s: the launch was ended"

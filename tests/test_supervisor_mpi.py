@@ -220,6 +220,23 @@ def test_hang_ended_by_the_watchdog_is_relaunched(tmp_path, digits, wrapper, ref
     assert_same_training(tmp_path, reference)
 
 
+def test_a_launch_stuck_in_start_up_is_ended_and_relaunched(tmp_path, digits, wrapper, reference):
+    """Rank 1 of the first launch never reaches MPI (rank 0 waits in MPI's start-up for it): no watchdog runs
+    yet, so the supervisor ends the launch after --start-timeout and relaunches; the run is the uninterrupted one.
+    20 s: the ranks' start-up on a loaded machine stays well inside it (a second restart would fail the test)."""
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2", "--start-timeout", "20"],
+                       env={"SUPERVISED_START_HANG": str(tmp_path / "hung"), "SUPERVISED_KILL_RANK": "1"})
+    assert code == 0, out[-6000:]
+    assert (tmp_path / "hung").read_text() == "rank 1 hangs in start-up\n"
+    assert "the ranks did not get through start-up (imports, MPI) in 20 s: the launch was ended; restart 1 of at " \
+           "most 3: 2 -> 2 rank(s)" in out, out[-6000:]
+    (restart,) = metrics(tmp_path / "run", "restart")
+    assert (restart["cause"], restart["source"], restart["resume_step"]) == ("stalled", "supervisor", 0), restart
+    assert restart["launch_seconds"] >= 20, restart
+    assert "done after 1 restart(s)" in out
+    assert_same_training(tmp_path, reference)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_a_stop_signal_goes_to_the_ranks_and_is_passed_on_not_restarted(tmp_path, digits, wrapper, sig):
     """SIGUSR1 (Slurm's warning signal to the batch script) or SIGTERM (scancel, a job's end) to the

@@ -42,6 +42,10 @@ def build_parser():
                              "Started once training runs, they wait without using a core, holding about the "
                              "memory the ranks hold at start-up; a relaunch calls them instead of starting "
                              "ranks (mpirun; not under srun yet)")
+    parser.add_argument("--start-timeout", type=float, default=600, metavar="SECONDS",
+                        help="end and relaunch a launch whose ranks are not through start-up (imports, MPI; rank 0 "
+                             "writing the run's config.toml) in this time (default 600; 0: no limit). A TOML "
+                             "configuration's ranks only: a script's need not write config.toml")
     parser.add_argument("--python", default=None, help="the Python the ranks run (default: this one)")
     parser.add_argument("config", help="TOML configuration file, or a Python training script (.py) that takes "
                                        "section.key=value overrides")

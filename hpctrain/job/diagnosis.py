@@ -68,7 +68,7 @@ def launcher_events(text):
 class Failure:
     """Why one launch of the job did not succeed, and whether a relaunch can help."""
 
-    cause: str  # signal, exception, hang, exit, bad_input, diverged, stopped, failure or node_failure
+    cause: str  # signal, exception, hang, exit, bad_input, diverged, stopped, failure, node_failure or stalled
     status: int  # the job's exit status as the supervisor passes it on
     restartable: bool
     rank: Optional[int] = None
@@ -89,6 +89,8 @@ class Failure:
             return f"{who} was killed by signal {self.signal} ({name})"
         if self.cause == "node_failure":
             return f"node {self.host} failed (Slurm lost contact with it)"
+        if self.cause == "stalled":
+            return f"the ranks did not get through start-up (imports, MPI) in {self.message}: the launch was ended"
         if self.cause == "hang":
             return f"{who} hung{'' if self.step is None else f' in step {self.step}'} and the watchdog ended the job"
         what = {"bad_input": "stopped on bad input", "diverged": "diverged (non-finite training)",
@@ -98,6 +100,12 @@ class Failure:
 
     def as_dict(self):
         return asdict(self)
+
+
+def stalled(seconds):
+    """The :class:`Failure` of a launch ended because its ranks did not get through start-up in ``seconds``
+    (restartable: a launcher or MPI start-up that hung, often on one sick node, may go through the next time)."""
+    return Failure("stalled", EXIT_OTHER, True, message=f"{seconds:g} s", source="supervisor")
 
 
 def _host(rank, hosts):

@@ -75,6 +75,7 @@ class Attempt:
     metrics: list  # the metrics.jsonl records this launch wrote
     seconds: float
     ended: float = 0.0  # when the launcher had exited (seconds since the epoch)
+    stalled: float = 0.0  # the start-up timeout it was ended by (the ranks never got through start-up), or 0
 
 
 class _Tee(threading.Thread):
@@ -146,10 +147,41 @@ class Launch:
         return self.tees[0].text() + "\n" + self.tees[1].text()
 
 
-def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child: None, launch=None):
+def changed(path):
+    """A test (pure but for one ``stat``) of whether ``path`` was written since this call: its inode, size or
+    modification time differs (so the clocks of other nodes do not matter)."""
+    def stamp():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+    before = stamp()
+    return lambda: stamp() not in (None, before)
+
+
+def _wait_started(child, up, timeout):
+    """Wait for ``child`` while ``up()`` is false for at most ``timeout`` seconds. Returns whether that ran out:
+    the launcher is then ended (SIGTERM, which both launchers pass on to the ranks; SIGKILL 10 s later)."""
+    deadline = time.monotonic() + timeout
+    while child.poll() is None and not up():
+        if time.monotonic() >= deadline:
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child: None, launch=None,
+               up=None, start_timeout=0.0):
     """Run one launch to its end (``launch``: one started ahead, a warm spare set, called here);
     ``started_child(child)`` is told the process (to forward signals to), then ``None``. The records are
-    those the launch appended."""
+    those the launch appended. ``up()``, once true, says the ranks got through start-up (imports, MPI): a
+    launch that has not within ``start_timeout`` seconds (0: no limit) is ended, ``stalled`` in the result."""
     offsets = _size(failure_file), _size(metrics_file)
     started = time.monotonic()
     if launch is None:
@@ -157,9 +189,10 @@ def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child:
     else:
         launch.wake()
     started_child(launch.child)
+    stalled = start_timeout if up and start_timeout and _wait_started(launch.child, up, start_timeout) else 0.0
     returncode = launch.child.wait()
     ended = time.time()
     tail = launch.finish()
     started_child(None)
     return Attempt(returncode, tail, read_records(failure_file, offsets[0]),
-                   read_records(metrics_file, offsets[1]), time.monotonic() - started, ended)
+                   read_records(metrics_file, offsets[1]), time.monotonic() - started, ended, stalled)

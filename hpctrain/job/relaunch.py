@@ -40,7 +40,7 @@ from ..config import load_config, resolve_global_batch
 from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
 from ..runtime import slurm
 from . import diagnosis, rundir, spares
-from .launchers import Mpirun, Srun, run_launch
+from .launchers import Mpirun, Srun, changed, run_launch
 
 PROGRAM = "hpctrain launch"  # the name its messages begin with
 # After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering (lost_node).
@@ -80,6 +80,7 @@ class LaunchPlan:
     excluded: list = field(default_factory=list)
     local_level: bool = False  # checkpoint.local: a relaunch may resume from a snapshot newer than any file
     spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`; mpirun only)
+    start_timeout: float = 0.0  # seconds a launch may take to get through start-up (0: no limit)
 
     def rank_command(self, relaunch):
         # a Python script runs as it is, with the same overrides (it takes section.key=value)
@@ -156,6 +157,9 @@ def make_plan(args, environ=None):
                           hint=f"e.g. --min-ranks {max(1, ranks // 2)}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts} must be >= 0", hint="e.g. --max-restarts 3")
+    if getattr(args, "start_timeout", 0) < 0:
+        raise ConfigError(f"--start-timeout {args.start_timeout}: seconds must be >= 0 (0: no limit)",
+                          hint="e.g. --start-timeout 600")
     if getattr(args, "spares", 0) not in (0, 1):
         raise ConfigError(f"--spares {args.spares}: the sets of warm spare ranks kept must be 0 or 1",
                           hint="--spares 1 (the default) keeps the next launch's ranks started; --spares 0 none")
@@ -171,7 +175,7 @@ def make_plan(args, environ=None):
     return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
                       cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
-                      cfg.checkpoint.local, spares_kept)
+                      cfg.checkpoint.local, spares_kept, float(getattr(args, "start_timeout", 0) or 0))
 
 
 class Supervisor:
@@ -228,8 +232,12 @@ class Supervisor:
         how = "calling the warm spares" if spare else "relaunching" if relaunch else "starting"
         say(f"{how} {ranks} rank(s): {shlex.join(cmd)}")
         self.spares.keep_ready(ranks, spares.training_started(p.metrics_file))
+        # rank 0 writes the run's config.toml once imports and MPI are up (a script's ranks may never):
+        # until then no watchdog guards the ranks, and a start-up that hangs (MPI's, the launcher's) is ended here
+        up = changed(os.path.join(p.run_dir, rundir.CONFIG_FILE)) if not is_script(p.config) else None
         return run_launch(cmd, dict(self.environ, **self._launch_env()), p.failure_file, p.metrics_file,
-                          lambda child: setattr(self, "child", child), launch=spare)
+                          lambda child: setattr(self, "child", child), launch=spare, up=up,
+                          start_timeout=p.start_timeout)
 
     def run(self):
         try:
@@ -250,8 +258,8 @@ class Supervisor:
                 say(f"done after {restarts} restart(s); run directory {p.run_dir}")
                 return 0
             hosts = _job_hosts(attempt.metrics)
-            failed = diagnosis.diagnose(attempt.returncode, attempt.records,
-                                        diagnosis.launcher_events(attempt.tail), hosts)
+            failed = diagnosis.stalled(attempt.stalled) if attempt.stalled else \
+                diagnosis.diagnose(attempt.returncode, attempt.records, diagnosis.launcher_events(attempt.tail), hosts)
             if failed.restartable and failed.cause != "node_failure" and self.stop_signal is None:
                 failed = lost_node(p, failed, hosts, slurm.environment(self.environ)["slurm_job_id"])
             if self.stop_signal is not None:

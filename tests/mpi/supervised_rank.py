@@ -14,6 +14,8 @@ SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itsel
 SUPERVISED_KILL_AFTER=GLOB: before that failure, wait (up to 120 s) for a file matching GLOB to
     exist (e.g. the warm spares' ready file).
 SUPERVISED_STEP_SLEEP=S: sleep S seconds in every step (a run long enough to signal).
+SUPERVISED_START_HANG=MARKER: rank SUPERVISED_KILL_RANK creates MARKER and sleeps for an hour before
+    anything else, MPI included (the other ranks wait in MPI's start-up for it), when MARKER does not exist.
 SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
     "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
     launcher's pid, the same for every rank of one launch).
@@ -82,7 +84,17 @@ def install():
     trainer._train_step = _train_step
 
 
+def _hang_in_start_up():
+    marker = os.environ.get("SUPERVISED_START_HANG")
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMIX_RANK") or "0"
+    if marker and not os.path.exists(marker) and rank == (os.environ.get("SUPERVISED_KILL_RANK") or "0"):
+        _append(marker, f"rank {rank} hangs in start-up\n")
+        print(f"supervised_rank: rank {rank}: hangs before MPI starts", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
 def main():
+    _hang_in_start_up()
     install()
     run_target(sys.argv[1:])
 
