@@ -54,3 +54,20 @@ def test_a_spare_sets_output_is_held_back_until_it_is_called(capfd):
         launch.child.kill()
         launch.child.wait()
         launch.finish()
+
+
+def test_ending_a_set_kills_the_ranks_of_its_call_and_no_other(tmp_path):
+    """What a set's stop does after its mpirun ended: ranks mpirun was still starting live on otherwise."""
+    def started(call):
+        env = dict(os.environ, HPCTRAIN_SPARE_CALL=call)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+
+    mine, other = started(str(tmp_path / "call-1-2")), started(str(tmp_path / "call-1-20"))
+    try:
+        spares._end_ranks(f"HPCTRAIN_SPARE_CALL={tmp_path / 'call-1-2'}")
+        assert mine.wait(timeout=30) == -9
+        assert other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()

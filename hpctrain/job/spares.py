@@ -14,6 +14,7 @@ about the memory of the ranks before their model is built; each set says what it
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -99,6 +100,16 @@ def _write_json(path, record):
 
 
 # ---------------------------------------------------------------- in the supervisor
+def _end_ranks(variable):
+    """SIGKILL to every process of this host whose environment holds ``variable`` (``NAME=value``). Linux."""
+    wanted = variable.encode() + b"\0"
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if wanted in f.read():
+                    os.kill(int(name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # not a process, gone, or not ours to read
 def training_started(metrics_file):
     """A test, cheap to repeat, of whether a launch started now has begun training: a ``start`` record
     appended to ``metrics_file`` (rank 0 writes it before the first step)."""
@@ -164,6 +175,9 @@ class SpareSet:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        # Ranks mpirun was still starting when told to end (or all of them, had it to be killed) live on,
+        # importing, holding memory: those on this host are found by their call
+        _end_ranks(f"{settings.name('SPARE_CALL')}={self.call}")
         self.launch.finish()
 
 
