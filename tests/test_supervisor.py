@@ -298,6 +298,9 @@ def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatc
     assert launch.main(["-n", "2", "--start-timeout", "-5", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "--start-timeout -5.0: seconds must be >= 0 (0: no limit)" in err and "not started" in err
+    assert launch.main(["-n", "2", "--spares-memory", "-1", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "--spares-memory -1.0: MiB must be >= 0 (0: not bounded)" in err and "not started" in err
     if os.geteuid() == 0:  # Open MPI's refusal, said before a launch that would only repeat it
         monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", raising=False)
         assert launch.main(["-n", "2", "examples/digits.toml", f"run.run_dir={tmp_path}"]) == 2

@@ -294,6 +294,26 @@ def _pids(run_dir, spare):
     return found
 
 
+def test_a_spare_set_over_its_memory_bound_is_ended_and_the_relaunch_starts_cold(tmp_path, digits, wrapper,
+                                                                                   reference):
+    """--spares-memory 1 (MiB): the first line says the bound; the set, once up, holds more, is ended and said
+    so, and no other is started; a training rank killed after that is relaunched cold, training as if uninterrupted."""
+    code, out = launch(tmp_path, digits, wrapper, ["-n", "2", "--spares-memory", "1"], spares=True,
+                       env={"SUPERVISED_KILL_STEP": "5", "SUPERVISED_KILL_RANK": "1",
+                            "SUPERVISED_MARKER": str(tmp_path / "killed"),
+                            "SUPERVISED_KILL_AFTER": str(tmp_path / "run" / ".spares" / "call-*.ready")})
+    assert code == 0, out[-6000:]
+    first = next(line for line in out.splitlines() if line.startswith("hpctrain launch: run directory"))
+    assert first.endswith("said once up, at most 1 MiB (--spares-memory); --spares 0: none)"), first
+    assert re.search(r"warm spares: 2 rank\(s\) holding \d+ MiB resident, more than --spares-memory 1 MiB: ended, "
+                     r"and no more sets \(relaunches start cold\)", out), out[-6000:]
+    assert out.count("holding") == 1 and "warm spares ready" not in out and "calling the warm spares" not in out
+    assert "relaunching 2 rank(s)" in out and "done after 1 restart(s)" in out
+    assert [s["spare"] for s in metrics(tmp_path / "run", "start")] == [False, False]
+    assert not (tmp_path / "run" / ".spares").exists() and not _pids(tmp_path / "run", True)
+    assert_same_training(tmp_path, reference)
+
+
 def test_a_spare_set_that_ends_early_is_replaced_and_the_next_is_called(tmp_path, digits, wrapper):
     """A warm spare rank killed while its set waits: the supervisor says so and starts another set, never
     calling the broken one. A training rank killed next: the new set is called (its restart cost counts from

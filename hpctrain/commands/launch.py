@@ -42,6 +42,9 @@ def build_parser():
                              "Started once training runs, they wait without using a core, holding about the "
                              "memory the ranks hold at start-up; a relaunch calls them instead of starting "
                              "ranks (mpirun; not under srun yet)")
+    parser.add_argument("--spares-memory", type=float, default=0, metavar="MIB",
+                        help="end a warm spare set that holds more resident memory than this once up, and keep "
+                             "none after it (default 0: not bounded)")
     parser.add_argument("--start-timeout", type=float, default=600, metavar="SECONDS",
                         help="end and relaunch a launch whose ranks are not through start-up (imports, MPI; rank 0 "
                              "writing the run's config.toml) in this time (default 600; 0: no limit). A TOML "

@@ -81,6 +81,7 @@ class LaunchPlan:
     local_level: bool = False  # checkpoint.local: a relaunch may resume from a snapshot newer than any file
     spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`; mpirun only)
     start_timeout: float = 0.0  # seconds a launch may take to get through start-up (0: no limit)
+    spares_memory: float = 0.0  # MiB of resident memory a spare set may hold (0: any)
 
     def rank_command(self, relaunch):
         # a Python script runs as it is, with the same overrides (it takes section.key=value)
@@ -160,6 +161,9 @@ def make_plan(args, environ=None):
     if getattr(args, "start_timeout", 0) < 0:
         raise ConfigError(f"--start-timeout {args.start_timeout}: seconds must be >= 0 (0: no limit)",
                           hint="e.g. --start-timeout 600")
+    if getattr(args, "spares_memory", 0) < 0:
+        raise ConfigError(f"--spares-memory {args.spares_memory}: MiB must be >= 0 (0: not bounded)",
+                          hint="e.g. --spares-memory 4096, or --spares 0 for no spares")
     if getattr(args, "spares", 0) not in (0, 1):
         raise ConfigError(f"--spares {args.spares}: the sets of warm spare ranks kept must be 0 or 1",
                           hint="--spares 1 (the default) keeps the next launch's ranks started; --spares 0 none")
@@ -175,7 +179,8 @@ def make_plan(args, environ=None):
     return LaunchPlan(args.config, overrides, run_dir, rundir.checkpoint_dir(cfg, run_dir), launcher, ranks, hosts,
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
                       cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
-                      cfg.checkpoint.local, spares_kept, float(getattr(args, "start_timeout", 0) or 0))
+                      cfg.checkpoint.local, spares_kept, float(getattr(args, "start_timeout", 0) or 0),
+                      float(getattr(args, "spares_memory", 0) or 0))
 
 
 class Supervisor:
@@ -188,7 +193,8 @@ class Supervisor:
         self.child = None
         owner = {settings.name("SPARE_OWNER"): f"{socket.gethostname()}:{os.getpid()}"}
         self.spares = spares.Spares(plan.spares, plan.run_dir, dict(self.environ, **self._launch_env(), **owner),
-                                    lambda ranks: self.command(ranks, True, spare=True), say)
+                                    lambda ranks: self.command(ranks, True, spare=True), say,
+                                    int(plan.spares_memory * 2**20))
 
     # -- signals: Slurm's warning, its end-of-job SIGTERM and SIGINT end the supervision. The first reaches the
     # ranks as SIGUSR1, which mpirun (and srun) pass on untouched and the ranks take as "save, then stop"
@@ -249,8 +255,11 @@ class Supervisor:
         p = self.plan
         self._install_signals()
         ranks, restarts = p.ranks, 0
+        bound = f"at most {p.spares_memory:g} MiB (--spares-memory)" if p.spares_memory else \
+            "not bounded (--spares-memory MiB bounds it)"
         kept = (f"; {p.spares} set of warm spare ranks for the next relaunch, started once training runs "
-                f"(memory: about what the ranks hold at start-up, said once up; --spares 0: none)") if p.spares else ""
+                f"(memory: about what the ranks hold at start-up, said once up, {bound}; --spares 0: none)") \
+            if p.spares else ""
         say(f"run directory {p.run_dir}; up to {p.max_restarts} restart(s), at least {p.min_ranks} rank(s){kept}")
         while True:
             attempt = self.launch(ranks, relaunch=restarts > 0)

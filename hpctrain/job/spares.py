@@ -185,10 +185,11 @@ class Spares:
     """Keeps ``count`` (0 or 1) set of spare ranks for the supervisor's next launch.
 
     ``command(ranks)``: the relaunch's launcher command for ``ranks``; ``env``: its environment;
-    ``say(text)``: the supervisor's voice."""
+    ``say(text)``: the supervisor's voice; ``max_bytes``: the resident memory a set may hold once up (0: any)."""
 
-    def __init__(self, count, run_dir, env, command, say):
-        self.count, self.env, self.command, self.say = count, env, command, say
+    def __init__(self, count, run_dir, env, command, say, max_bytes=0):
+        self.count, self.env, self.command, self.say, self.max_bytes = count, env, command, say, max_bytes
+        self.over = False  # a set held more than max_bytes: no more sets
         self.folder = os.path.join(run_dir, ".spares")
         self.current = None
         self.made = 0
@@ -213,7 +214,7 @@ class Spares:
             if not training_started():
                 continue
             with self._lock:
-                if stop.is_set() or self.ended_early >= GIVE_UP_AFTER:
+                if stop.is_set() or self.ended_early >= GIVE_UP_AFTER or self.over:
                     return
                 current = self.current
                 if current is not None and current.alive:
@@ -235,14 +236,22 @@ class Spares:
                 self.current = SpareSet(self.command(ranks), self.env, call)
 
     def _said_ready(self, current):
-        if current.said:
-            return
-        up = current.ready()
-        if up is not None:
-            current.said = True
-            self.ended_early = 0
-            self.say(f"warm spares ready: {up['ranks']} rank(s) holding {up['bytes'] / 2**20:.0f} MiB resident, "
-                     f"{time.monotonic() - current.started:.1f} s to start (--spares 0: none)")
+        """Say once that a set is up; end it if it holds more than ``max_bytes``. Whether it may be called."""
+        up = None if current.said else current.ready()
+        if up is None:
+            return True
+        current.said = True
+        held = f"{up['ranks']} rank(s) holding {up['bytes'] / 2**20:.0f} MiB resident"
+        if self.max_bytes and up["bytes"] > self.max_bytes:
+            self.over = True
+            self.say(f"warm spares: {held}, more than --spares-memory {self.max_bytes / 2**20:g} MiB: ended, and no "
+                     f"more sets (relaunches start cold)")
+            current.stop()
+            self.current = None if self.current is current else self.current
+            return False
+        self.ended_early = 0
+        self.say(f"warm spares ready: {held}, {time.monotonic() - current.started:.1f} s to start (--spares 0: none)")
+        return True
 
     def pause(self):
         """Start no set until :meth:`keep_ready` again (a set already started is kept)."""
@@ -265,8 +274,8 @@ class Spares:
             while current.alive and current.ready() is None and time.monotonic() < deadline:
                 time.sleep(CALL_POLL_SECONDS)
             if current.alive and current.ready() is not None:
-                self._said_ready(current)  # up since the watch last looked: still said, before the call
-                return current
+                # up since the watch last looked: still said (and weighed) before the call
+                return current if self._said_ready(current) else None
         why = ("it ended before it was needed" if not current.alive else
                "it is not up yet" if current.ready() is None else "the relaunch runs on other ranks or nodes")
         self.say(f"warm spares not used ({why}): starting the relaunch cold")
