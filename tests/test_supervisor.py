@@ -223,6 +223,22 @@ def test_a_hang_with_a_node_slurm_says_is_not_responding_leaves_that_node_out(tm
     assert (rec["cause"], rec["host"], rec["source"], rec["failed_step"]) == ("node_failure", "n2", "slurm", 9)
 
 
+def test_a_node_that_answers_slurm_again_is_not_waited_for_or_left_out(tmp_path, monkeypatch):
+    # a rank's crash while Slurm briefly flagged a loaded node: once it answers again, the relaunch keeps it
+    monkeypatch.setattr(slurm, "sinfo", lambda nodes: "n1 mix*\nn2 mix\nn3 mix\n")
+    states = iter(["mix*", "mix"])
+    monkeypatch.setattr(slurm, "node_state", lambda node: next(states))
+    monkeypatch.setattr(slurm, "left_allocation", lambda node, job: False)
+    monkeypatch.setattr(relaunch.time, "sleep", lambda s: None)
+    text = "srun: error: n2: task 1: Segmentation fault\nsrun: error: n3: task 2: Killed\n"
+    p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})
+    sup = Scripted(p, [Attempt(1, text, [], [start(["n1", "n2", "n3"])], 1.0), Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0 and list(states) == []
+    (rec,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rec["cause"] != "node_failure" and rec["host"] == "n2", rec
+    assert "--exclude=n1" not in " ".join(sup.commands[1]), sup.commands[1]
+
+
 def test_a_hang_with_every_node_responding_relaunches_on_the_same_nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(relaunch, "NODE_CHECK_SECONDS", 0)
     monkeypatch.setattr(slurm, "sinfo", lambda nodes: "")

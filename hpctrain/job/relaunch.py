@@ -343,6 +343,9 @@ def lost_node(p, failed, hosts, job_id):
     said = None
     while not (state := slurm.node_state(node)).startswith(slurm.DOWN_STATES) and not slurm.left_allocation(node,
                                                                                                           job_id):
+        if state and not state.endswith("*"):  # it answers Slurm again: slow for a while (a loaded node), not lost
+            say(f"node {node} answers Slurm again (its state: {state}): relaunching with it")
+            return failed
         waited = time.monotonic() - started
         if waited >= NODE_DOWN_SECONDS:
             break
