@@ -128,7 +128,7 @@ def submit_resilient(cluster, tmp_path, digits, steps, *extra):
 
 def started_until(cluster, tmp_path, digits, steps, step, *extra):
     """``submit_resilient``, then wait for ``step`` of its first launch, before the test places its fault. A launch
-    that failed before that (seen once: a rank's segfault in Open MPI's TCP connect at start-up, then a relaunch
+    that failed before that (seen twice: a rank's segfault in Open MPI's TCP connect at start-up, then a relaunch
     without its node) leaves nothing to test: that job is ended and the scenario submitted again, once."""
     for attempt in (1, 2):
         job = submit_resilient(cluster, tmp_path, digits, steps, *extra)
