@@ -160,17 +160,24 @@ def changed(path):
     return lambda: stamp() not in (None, before)
 
 
+def end(child, grace=10.0):
+    """End a launcher: SIGTERM, which both launchers pass on to the ranks (mpirun ends them at once:
+    odls_base_sigkill_timeout 0), SIGKILL after ``grace`` seconds; returns once it has exited."""
+    child.terminate()
+    try:
+        child.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def _wait_started(child, up, timeout):
     """Wait for ``child`` while ``up()`` is false for at most ``timeout`` seconds. Returns whether that ran out:
-    the launcher is then ended (SIGTERM, which both launchers pass on to the ranks; SIGKILL 10 s later)."""
+    the launcher is then ended (:func:`end`)."""
     deadline = time.monotonic() + timeout
     while child.poll() is None and not up():
         if time.monotonic() >= deadline:
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+            end(child)
             return True
         time.sleep(0.5)
     return False

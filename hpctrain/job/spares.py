@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -24,7 +23,7 @@ from .. import settings
 from ..errors import BackendUnavailable
 from ..runtime import startup
 from . import preemption
-from .launchers import Launch
+from .launchers import Launch, end
 
 CALL_POLL_SECONDS = 0.02  # how often a waiting spare looks for its call (a stat: no core used)
 OWNER_SECONDS = 1.0  # how often it checks that its supervisor still runs
@@ -110,6 +109,8 @@ def _end_ranks(variable):
                     os.kill(int(name), signal.SIGKILL)
         except (OSError, ValueError):
             pass  # not a process, gone, or not ours to read
+
+
 def training_started(metrics_file):
     """A test, cheap to repeat, of whether a launch started now has begun training: a ``start`` record
     appended to ``metrics_file`` (rank 0 writes it before the first step)."""
@@ -169,12 +170,7 @@ class SpareSet:
     def stop(self):
         child = self.child
         if child.poll() is None:
-            child.terminate()  # mpirun ends its ranks (odls_base_sigkill_timeout 0: at once)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            end(child)
         # Ranks mpirun was still starting when told to end (or all of them, had it to be killed) live on,
         # importing, holding memory: those on this host are found by their call
         _end_ranks(f"{settings.name('SPARE_CALL')}={self.call}")
