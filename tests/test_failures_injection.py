@@ -25,6 +25,7 @@ STEPS = 48
 EVERY = 2
 EPOCH_STEPS = 22  # digits: 22 steps of 64 samples per epoch; a checkpoint at each epoch end
 TRIALS = 7  # kills per chain: each is a launch of its own (~9 s here); 7 still reach every kind of point
+TRAINING_KILLS = 4  # in backward, one kind of point: each rank twice, spread over the run and its two epochs
 RUN_TIMEOUT = 180
 
 
@@ -91,7 +92,7 @@ def kill_plan(scenario, reference):
     """[(rank, point, how far into the run)] for TRIALS kills spread over the run."""
     if scenario == "training":
         # global steps to die in, spread over the whole run; converted per run below
-        targets = np.linspace(2, STEPS - 2, TRIALS).round().astype(int)
+        targets = np.linspace(2, STEPS - 2, TRAINING_KILLS).round().astype(int)
         return [(i % 2, "backward", int(s)) for i, s in enumerate(targets)]
     plan = []
     for i in range(TRIALS - 3):  # inside the collective data writes, at each position of a save

@@ -39,16 +39,21 @@ SLURMD_TIMEOUT = 300  # Slurm's default, for the standby's tests (the cluster's 
 
 # HPCTRAIN_VENV stand-in for slurm/resilient.sbatch: the ranks (`-m hpctrain train`) run
 # tests/mpi/supervised_rank.py (SUPERVISED_STEP_SLEEP: a run long enough to break a node in);
-# the supervisor runs the plain python.
+# the supervisor runs the plain python. A rank's segfault leaves a core file in its working directory (the
+# checkout) for gdb: one was seen in Open MPI's start-up, rarely, and is not understood.
 VENV_PYTHON = f"""#!/bin/bash
-if [ "$1 $2 $3" = "-m hpctrain train" ]; then exec {PYTHON} {ROOT}/tests/mpi/supervised_rank.py "$@"; fi
+if [ "$1 $2 $3" = "-m hpctrain train" ]; then
+  ulimit -c unlimited
+  exec {PYTHON} {ROOT}/tests/mpi/supervised_rank.py "$@"
+fi
 exec {PYTHON} "$@"
 """
 
 
 def records(run_dir, kind):
+    """The run's metrics records of ``kind`` (None: all), in the order written."""
     path = run_dir / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if kind is None or r.get("kind") == kind]
 
 
 def train_args(run_dir, digits, *extra):
@@ -245,8 +250,16 @@ def assert_taken_over(cluster, tmp_path, job, steps):
     assert takeover["lost"] == "n1" and takeover["host"] in ("n2", "n3") and takeover["ranks"] == 2, takeover
     assert takeover["noticed"].startswith("n1 stopped answering"), takeover
     assert end["status"] == 0 and end["by"] == "standby" and 0 < end["stood_still_s"] < SLURMD_TIMEOUT, end
-    last_start = records(run_dir, "start")[-1]
-    assert sorted(last_start["hosts"]) == ["n2", "n3"], last_start
+    # A relaunch inside the takeover is its supervisor's job, as in any launch: accepted only for a launch that
+    # died in its start-up, before a step (seen once: a rank's segfault in Open MPI's start-up on n2), and said
+    all_records = records(run_dir, None)
+    since = all_records[all_records.index(takeover) + 1:]
+    relaunched = [r for r in since if r["kind"] == "restart"]
+    assert all(r["step"] is None and r["host"] in ("n2", "n3") for r in relaunched), relaunched
+    if relaunched:
+        print(f"relaunched inside the takeover: {relaunched}")
+    last_start = [r for r in since if r["kind"] == "start"][-1]
+    assert sorted(last_start["hosts"]) == sorted({"n2", "n3"} - {r["host"] for r in relaunched}), last_start
     final = latest(run_dir)
     assert final.name == f"ckpt-{steps:08d}.h5"
     check = ckpt_verify(final)
