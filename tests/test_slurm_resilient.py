@@ -39,9 +39,12 @@ def submit(cluster, env, tmp_path, args):
 
 
 def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path, digits):
+    """With the defaults, warm spares: a step of the allocation beside the training one, up before the kill
+    (the rank waits for their ready file), called for the relaunch on the same node."""
     marker = tmp_path / "killed"
     env = job_env(slurm_cluster, tmp_path, SUPERVISED_KILL_STEP="17", SUPERVISED_KILL_RANK="1",
-                  SUPERVISED_MARKER=str(marker))
+                  SUPERVISED_MARKER=str(marker),
+                  SUPERVISED_KILL_AFTER=str(tmp_path / "runs" / "*" / ".spares" / "*.ready"))
     job = submit(slurm_cluster, env, tmp_path, [f"data.path={digits}", f"train.max_steps={STEPS}",
                                                  "checkpoint.every_steps=5", "monitor.log_every=10"])
     (record,) = slurm_cluster.wait(job, JOB_TIMEOUT)
@@ -50,7 +53,9 @@ def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path
     assert record["Restarts"] == "0", record  # never requeued: relaunched within the allocation
     assert marker.read_text() == "rank 1 killed at step 17\n"
     assert "supervised_rank: rank 1: SIGKILL at step 17" in out
-    assert "hpctrain launch: relaunching 2 rank(s): srun --mpi=pmix" in out, out
+    assert re.search(r"hpctrain launch: warm spares ready: 2 rank\(s\) holding \d+ MiB resident", out), out
+    assert "hpctrain launch: calling the warm spares 2 rank(s): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 " \
+           "--overlap" in out, out
     assert "resumed from" in out and "at step 15" in out, out
     assert f"done at step {STEPS}" in out and "hpctrain launch: done after 1 restart(s)" in out, out
     assert "(start 2)" not in out and "requeued" not in out
@@ -63,6 +68,9 @@ def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path
     restarts = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                 if r.get("kind") == "restart"]
     assert len(restarts) == 1, restarts
+    starts = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if r.get("kind") == "start"]
+    assert [s["spare"] for s in starts] == [False, True], starts
 
 
 def test_warning_signal_checkpoints_and_requeues_through_the_supervisor(slurm_cluster, tmp_path, digits):

@@ -71,3 +71,26 @@ def test_ending_a_set_kills_the_ranks_of_its_call_and_no_other(tmp_path):
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_a_set_that_does_not_fit_the_relaunch_is_ended_beside_it_and_gone_at_the_close(tmp_path):
+    """The relaunch on other ranks (a node left out) starts cold at once: the set is ended beside it, not
+    before it (a set with a rank on a lost node may take its launcher's grace to end), and surely by close()."""
+    said = []
+    slow_to_end = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(3), exit(0))); " \
+                  "time.sleep(60)"
+    keeper = spares.Spares(1, str(tmp_path / "run"), dict(os.environ),
+                           lambda ranks: [sys.executable, "-c", slow_to_end, str(ranks)], said.append)
+    keeper.keep_ready(2, lambda: True)
+    for _ in range(200):
+        if keeper.current is not None:
+            break
+        time.sleep(0.05)
+    the_set = keeper.current
+    assert the_set is not None and the_set.alive
+    time.sleep(0.5)  # its SIGTERM handler installed
+    assert keeper.take(1) is None
+    assert said == ["warm spares not used (the relaunch runs on other ranks or nodes): starting the relaunch cold"]
+    assert the_set.alive  # still ending (its handler takes 3 s) while the relaunch goes on
+    keeper.close()
+    assert not the_set.alive and not (tmp_path / "run" / ".spares").exists()

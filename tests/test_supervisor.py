@@ -185,6 +185,20 @@ def test_srun_leaves_the_failed_node_out_and_resumes(tmp_path):
     assert rec["changes"] == ["global batch 48 kept: 12 per rank x 4 ranks x 1"]
 
 
+def test_srun_relaunches_on_the_same_node_as_a_step_beside_others(tmp_path):
+    """One node: the relaunch cannot leave it out; its step, as a warm spare set's (the same command, to be
+    called for it), may share the allocation's CPUs (--overlap); the first launch's does not need to."""
+    p = plan(tmp_path, Srun(), 2, hosts={"n1": None}, spares=1)
+    text = "srun: error: n1: task 1: Killed"
+    one_node = Attempt(137, text, [], [start(["n1", "n1"])] + [{"kind": "train", "step": s} for s in (1, 2)], 1.0)
+    sup = Scripted(p, [one_node, Attempt(0, "", [], [], 1.0)])
+    assert sup.run() == 0
+    first, second = sup.commands
+    assert first[:6] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "py"]
+    assert second[:6] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--overlap"]
+    assert sup.command(2, True, spare=True) == second
+
+
 def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):
     records = [{"kind": "hang", "rank": 0, "host": "n1", "status": 4, "step": 10, "error": "Hang", "timestamp": 1}]
     p = plan(tmp_path, Srun(), 3, hosts={"n1": None, "n2": None, "n3": None})

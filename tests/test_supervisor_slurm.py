@@ -18,7 +18,9 @@ def test_killed_task_is_relaunched_with_srun(slurm_cluster, tmp_path, digits, wr
     print(f"SIGKILL of task {kill_rank} at step {kill_step}")
     (tmp_path / "order").mkdir()
     script = tmp_path / "launch.sbatch"
-    args = " ".join(["--python", str(wrapper), "examples/digits.toml", *overrides(tmp_path / "run", digits)])
+    # --spares 0: the relaunch starts cold (the spares' srun step: test_slurm_resilient.py)
+    args = " ".join(["--spares", "0", "--python", str(wrapper), "examples/digits.toml",
+                     *overrides(tmp_path / "run", digits)])
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks=2\n#SBATCH --cpus-per-task=1\n"
                       f"cd {ROOT}\nexec {PYTHON} -m hpctrain launch {args}\n")
     env = slurm_cluster.env({"SUPERVISED_KILL_STEP": str(kill_step), "SUPERVISED_KILL_RANK": str(kill_rank),

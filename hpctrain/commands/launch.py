@@ -41,7 +41,7 @@ def build_parser():
                         help="sets of warm spare ranks kept started for the next relaunch (default 1; 0: none). "
                              "Started once training runs, they wait without using a core, holding about the "
                              "memory the ranks hold at start-up; a relaunch calls them instead of starting "
-                             "ranks (mpirun; not under srun yet)")
+                             "ranks (under srun: a step of the allocation, srun --overlap)")
     parser.add_argument("--spares-memory", type=float, default=0, metavar="MIB",
                         help="end a warm spare set that holds more resident memory than this once up, and keep "
                              "none after it (default 0: not bounded)")

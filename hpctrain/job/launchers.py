@@ -46,7 +46,7 @@ class Mpirun:
 
 
 class Srun:
-    """``srun --mpi=pmix --kill-on-bad-exit=1 -n RANKS [-N NODES --exclude=...] [ARGS] CMD``:
+    """``srun --mpi=pmix --kill-on-bad-exit=1 -n RANKS [--exclude=... -N NODES] [--overlap] [ARGS] CMD``:
     one task that fails ends the step, as mpirun does."""
 
     name = "srun"
@@ -54,12 +54,15 @@ class Srun:
     def __init__(self, extra=()):
         self.extra = list(extra)
 
-    def command(self, ranks, hosts, rank_cmd, excluded=()):
+    def command(self, ranks, hosts, rank_cmd, excluded=(), overlap=False):
+        """``overlap``: the step may share the allocation's CPUs with another (a warm spare set beside the
+        running step, a relaunch beside the spares or a step still listed)."""
         cmd = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", str(ranks)]
         if excluded:
             cmd += [f"--exclude={','.join(excluded)}"]
             if hosts:
                 cmd += ["-N", str(len(hosts))]
+        if excluded or overlap:
             # Slurm keeps a step that ran on a node it lost cut off (not killed) "running" until
             # that node answers again, holding the CPUs of the other nodes too: without --overlap
             # the relaunch waits for them ("Requested nodes are busy"). The old ranks are gone.

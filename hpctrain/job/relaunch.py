@@ -79,7 +79,7 @@ class LaunchPlan:
     lr_scaling: str = "none"
     excluded: list = field(default_factory=list)
     local_level: bool = False  # checkpoint.local: a relaunch may resume from a snapshot newer than any file
-    spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`; mpirun only)
+    spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`)
     start_timeout: float = 0.0  # seconds a launch may take to get through start-up (0: no limit)
     spares_memory: float = 0.0  # MiB of resident memory a spare set may hold (0: any)
 
@@ -167,8 +167,8 @@ def make_plan(args, environ=None):
     if getattr(args, "spares", 0) not in (0, 1):
         raise ConfigError(f"--spares {args.spares}: the sets of warm spare ranks kept must be 0 or 1",
                           hint="--spares 1 (the default) keeps the next launch's ranks started; --spares 0 none")
-    # warm spares only where a relaunch may come, and under mpirun (srun: a step beside the running one)
-    spares_kept = getattr(args, "spares", 0) if isinstance(launcher, Mpirun) and args.max_restarts else 0
+    # warm spares only where a relaunch may come (under srun: a step of the allocation beside the running one)
+    spares_kept = getattr(args, "spares", 0) if args.max_restarts else 0
     if cfg.train.global_batch_size:
         resolve_global_batch(cfg.train.global_batch_size, ranks, cfg.train.accumulation)
     run_dir = os.path.abspath(cfg.run.run_dir) if cfg.run.run_dir else rundir.new_path(cfg)
@@ -218,12 +218,13 @@ class Supervisor:
 
     def command(self, ranks, relaunch, spare=False):
         """The launcher's command line for ``ranks`` ranks, without the excluded nodes (``spare``: for a
-        warm spare set, which mpirun tells where its call comes from)."""
+        warm spare set, which mpirun tells where its call comes from; srun passes the environment on)."""
         p = self.plan
         rank_cmd = p.rank_command(relaunch)
         if isinstance(p.launcher, Srun):
             hosts = [h for h in (p.hosts or {}) if h not in p.excluded]
-            return p.launcher.command(ranks, hosts, rank_cmd, p.excluded)
+            # a relaunch's step, as the spare set's (the same command, to be called), runs beside other steps
+            return p.launcher.command(ranks, hosts, rank_cmd, p.excluded, overlap=relaunch)
         hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
         return p.launcher.command(ranks, hosts, rank_cmd, ("SPARE_CALL", "SPARE_OWNER") if spare else ())
 

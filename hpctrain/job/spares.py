@@ -10,7 +10,9 @@ ranks, and starts the next set once the called one trains.
 Rank side: :func:`wait_until_called` (``HPCTRAIN_SPARE_CALL`` names the file; unset, it returns at once).
 Supervisor side: :class:`Spares`. A set that ended before it was needed is replaced, never called; one that
 does not match the relaunch (other ranks or nodes) is ended and the relaunch starts cold. The spares hold
-about the memory of the ranks before their model is built; each set says what it holds once it is up."""
+about the memory of the ranks before their model is built; each set says what it holds once it is up.
+Under ``srun`` a set is a step of the allocation beside the running one (``--overlap``), its ranks told
+their call through the environment srun passes on, as mpirun's are with ``-x``."""
 import json
 import os
 import shutil
@@ -171,8 +173,9 @@ class SpareSet:
         child = self.child
         if child.poll() is None:
             end(child)
-        # Ranks mpirun was still starting when told to end (or all of them, had it to be killed) live on,
-        # importing, holding memory: those on this host are found by their call
+        # Ranks the launcher was still starting when told to end (or all of them, had it to be killed) live on,
+        # importing, holding memory: those on this host are found by their call (srun's on other nodes end at
+        # the stop signal it passed on, once their imports are done)
         _end_ranks(f"{settings.name('SPARE_CALL')}={self.call}")
         self.launch.finish()
 
@@ -193,6 +196,7 @@ class Spares:
         self._lock = threading.Lock()
         self._watch = None
         self._stop_watching = threading.Event()
+        self._stopping = []  # sets not used, ending beside the relaunch
 
     def keep_ready(self, ranks, training_started):
         """Start a set for a relaunch on ``ranks`` once ``training_started()`` (the running launch's ranks
@@ -264,7 +268,8 @@ class Spares:
             current, self.current = self.current, None
         if current is None:
             return None
-        if current.cmd == self.command(ranks):
+        fits = current.cmd == self.command(ranks)
+        if fits:
             # a set still starting is further on than a cold launch would be: wait for it
             deadline = time.monotonic() + READY_WAIT_SECONDS
             while current.alive and current.ready() is None and time.monotonic() < deadline:
@@ -272,10 +277,14 @@ class Spares:
             if current.alive and current.ready() is not None:
                 # up since the watch last looked: still said (and weighed) before the call
                 return current if self._said_ready(current) else None
-        why = ("it ended before it was needed" if not current.alive else
-               "it is not up yet" if current.ready() is None else "the relaunch runs on other ranks or nodes")
+        why = ("the relaunch runs on other ranks or nodes" if not fits else
+               "it ended before it was needed" if not current.alive else "it is not up yet")
         self.say(f"warm spares not used ({why}): starting the relaunch cold")
-        current.stop()
+        # ended beside the relaunch, not before it: a set with a rank on a lost node may take its launcher's
+        # whole grace to end (srun waiting on that node)
+        stopping = threading.Thread(target=current.stop, daemon=True)
+        stopping.start()
+        self._stopping.append(stopping)
         return None
 
     def close(self):
@@ -284,4 +293,6 @@ class Spares:
             current, self.current = self.current, None
         if current is not None:
             current.stop()
+        for stopping in self._stopping:
+            stopping.join()
         shutil.rmtree(self.folder, ignore_errors=True)
