@@ -8,7 +8,7 @@ import sys
 import time
 
 from hpctrain.job import spares
-from hpctrain.job.launchers import Launch
+from hpctrain.job.launchers import Launch, kill_processes_with
 
 
 def test_a_launch_trains_once_a_start_record_follows_the_launch(tmp_path):
@@ -64,7 +64,7 @@ def test_ending_a_set_kills_the_ranks_of_its_call_and_no_other(tmp_path):
 
     mine, other = started(str(tmp_path / "call-1-2")), started(str(tmp_path / "call-1-20"))
     try:
-        spares._end_ranks(f"HPCTRAIN_SPARE_CALL={tmp_path / 'call-1-2'}")
+        kill_processes_with(f"HPCTRAIN_SPARE_CALL={tmp_path / 'call-1-2'}")
         assert mine.wait(timeout=30) == -9
         assert other.poll() is None
     finally:

@@ -4,6 +4,9 @@ out, --shrink, --min-ranks, the global batch), the failure records and the repor
 The real launches are in test_supervisor_mpi.py."""
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +14,7 @@ from hpctrain.config import resolve_global_batch
 from hpctrain.errors import ConfigError
 from hpctrain.commands import launch
 from hpctrain.job import diagnosis, relaunch
-from hpctrain.job.launchers import Attempt, Mpirun, Srun
+from hpctrain.job.launchers import Attempt, Mpirun, Srun, StepEnder
 from hpctrain.job.relaunch import LaunchPlan, Supervisor
 from hpctrain.runtime import coordination
 from hpctrain.runtime import slurm
@@ -197,6 +200,33 @@ def test_srun_relaunches_on_the_same_node_as_a_step_beside_others(tmp_path):
     assert first[:6] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "py"]
     assert second[:6] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "-n", "2", "--overlap"]
     assert sup.command(2, True, spare=True) == second
+
+
+def test_a_task_that_died_of_a_signal_has_its_steps_other_tasks_on_this_node_ended_at_once(capsys):
+    """srun's words, as they come (a chunk may end anywhere): a task SIGKILLed, srun terminating the step: the
+    step's processes on this node are SIGKILLed, once, and another step's are left. A status or SIGTERM (a
+    stop's save, a job's end) leaves the step to Slurm; so does a spare set's step until it is called."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours, other = [subprocess.Popen(sleeper, env=dict(os.environ, SLURM_JOB_ID="42", SLURM_STEP_ID=step))
+                   for step in ("13", "1")]
+    try:
+        ender = StepEnder()
+        for chunk in [b"srun: error: vm: task 1: Kil", b"led\nsrun: launch/slurm: _step_signal: Terminating StepId=42.1",
+                      b"3\n", b"srun: error: vm: task 0: Killed\nsrun: Force Terminated StepId=42.13\n"]:
+            ender(chunk)
+        assert ours.wait(timeout=30) == -signal.SIGKILL and other.poll() is None
+        assert capsys.readouterr().err.count("task 1 of step 42.13 died of signal 9: the step's other tasks on "
+                                              "this node are ended now") == 1
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
+    for words in ["task 0: Exited with exit code 3", "task 0: Terminated", None]:
+        left = StepEnder()
+        left.active = words is not None
+        left(f"srun: error: vm: {words or 'task 0: Killed'}\n"
+             f"srun: launch/slurm: _step_signal: Terminating StepId=43.0\n".encode())
+        assert left.step is None, words
 
 
 def test_srun_leaves_a_lost_node_out_although_the_ranks_hung(tmp_path):

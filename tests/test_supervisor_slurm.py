@@ -2,6 +2,8 @@
 are started with ``srun --mpi=pmix``, one is SIGKILLed at a random step, srun's report names
 the task and node, the supervisor relaunches with srun on the same allocation, and the run
 trains the same samples to the same parameters as an uninterrupted one."""
+import re
+
 import pytest
 
 from mpi_harness import PYTHON, ROOT
@@ -37,4 +39,7 @@ def test_killed_task_is_relaunched_with_srun(slurm_cluster, tmp_path, digits, wr
     assert (restart["cause"], restart["rank"], restart["signal"], restart["source"]) == ("signal", kill_rank, 9, "srun")
     assert (restart["ranks_before"], restart["ranks_after"]) == (2, 2)
     assert restart["host"] and f"task {kill_rank}: Killed" in out
+    # the other task, waiting in a collective for the dead one, ended at once, not after Slurm's KillWait
+    assert re.search(rf"task {kill_rank} of step {job}\.\d+ died of signal 9: the step's other tasks on this node "
+                     rf"are ended now", out), out[-4000:]
     assert_same_training(tmp_path, reference)

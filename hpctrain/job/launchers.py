@@ -2,6 +2,8 @@
 launch run to its end with its output passed through and its tail kept to read what failed."""
 import collections
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -9,9 +11,17 @@ import time
 from dataclasses import dataclass
 
 from .. import settings
+from ..runtime import slurm
 from ..runtime.coordination import read_records
+from . import diagnosis
 
+PROGRAM = "hpctrain launch"  # the name its messages begin with
 TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
+
+
+def say(text):
+    sys.stderr.write(f"{PROGRAM}: {text}\n")
+    sys.stderr.flush()
 
 
 # Open MPI ends the other ranks of a failed launch with SIGTERM, then SIGKILL after odls_base_sigkill_timeout
@@ -70,6 +80,49 @@ class Srun:
         return cmd + self.extra + list(rank_cmd)
 
 
+def kill_processes_with(*variables):
+    """SIGKILL to every process of this host (but this one) whose environment holds all ``variables``
+    (``NAME=value`` each). Linux."""
+    wanted = {v.encode() for v in variables}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if wanted <= set(f.read().split(b"\0")):
+                    os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass  # gone, or not ours to read
+
+
+class StepEnder:
+    """Watches an srun's error output. Once a task died of a signal (SIGKILL, a crash), its step is lost, and
+    Slurm ends the other tasks, most waiting in a collective for the dead one, with SIGTERM (a stop request
+    to hpctrain's ranks, which they never reach) and SIGKILL only after its KillWait (30 s by default), and
+    will not signal a step it is ending any sooner. Those on this node are SIGKILLed at once instead, as
+    mpirun ends its ranks (odls_base_sigkill_timeout 0). A task that exited with a status (a stop's save, an
+    error) or of SIGTERM (a job's end, which the others may be saving for) leaves its step to Slurm."""
+
+    CRASHES = {6, 7, 9, 11}  # SIGABRT, SIGBUS, SIGKILL, SIGSEGV, as srun names them
+    STEP = re.compile(r"Terminating (?:StepId=|job step )(\d+)\.(\d+)\s")
+
+    def __init__(self):
+        self.text, self.step, self.active = "", None, True
+
+    def __call__(self, chunk):
+        if self.step is not None or not self.active:
+            return
+        self.text = (self.text + chunk.decode(errors="replace"))[-16384:]
+        step = self.STEP.search(self.text)
+        crashed = [e for e in diagnosis.launcher_events(self.text) if e["source"] == "srun"
+                   and e["signal"] in self.CRASHES]
+        if step and crashed:
+            self.step = f"{step.group(1)}.{step.group(2)}"
+            say(f"task {crashed[0]['rank']} of step {self.step} died of signal {crashed[0]['signal']}: the step's "
+                f"other tasks on this node are ended now, not after Slurm's KillWait")
+            kill_processes_with(*slurm.step_task_variables(step.group(1), step.group(2)))
+
+
 @dataclass
 class Attempt:
     returncode: int
@@ -85,15 +138,18 @@ class _Tee(threading.Thread):
     """Copies one pipe of the launcher to ours, keeping its last bytes to read. A warm spare set's output is
     held back until it is called (:meth:`pass_on`): one that is never called is never heard."""
 
-    def __init__(self, pipe, out, passing=True):
+    def __init__(self, pipe, out, passing=True, watch=None):
         super().__init__(daemon=True)
         self.pipe, self.out, self.tail = pipe, out, collections.deque()
         self.size = 0
         self.passing, self.held = passing, []
         self.lock = threading.Lock()
+        self.watch = watch  # told every chunk read
 
     def run(self):
         for chunk in iter(lambda: self.pipe.read1(65536), b""):
+            if self.watch is not None:
+                self.watch(chunk)
             with self.lock:
                 if self.passing:
                     self._write(chunk)
@@ -130,16 +186,21 @@ def _size(path):
 
 class Launch:
     """A started launcher: its process, and its output passed through (``quiet``: held back until
-    :meth:`pass_on`) with the tail kept."""
+    :meth:`pass_on`) with the tail kept; srun's watched by a :class:`StepEnder`."""
 
     def __init__(self, cmd, env, quiet=False):
         self.child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.ender = StepEnder() if os.path.basename(cmd[0]) == Srun.name else None
+        if self.ender is not None:
+            self.ender.active = not quiet  # a spare set's step, ended on purpose, until it is called
         self.tees = [_Tee(self.child.stdout, sys.stdout.buffer, not quiet),
-                     _Tee(self.child.stderr, sys.stderr.buffer, not quiet)]
+                     _Tee(self.child.stderr, sys.stderr.buffer, not quiet, self.ender)]
         for t in self.tees:
             t.start()
 
     def pass_on(self):
+        if self.ender is not None:
+            self.ender.active = True
         for t in self.tees:
             t.pass_on()
 

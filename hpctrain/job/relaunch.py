@@ -40,18 +40,12 @@ from ..config import load_config, resolve_global_batch
 from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
 from ..runtime import slurm
 from . import diagnosis, rundir, spares
-from .launchers import Mpirun, Srun, changed, run_launch
+from .launchers import PROGRAM, Mpirun, Srun, changed, run_launch, say  # noqa: F401 (PROGRAM: the command's)
 
-PROGRAM = "hpctrain launch"  # the name its messages begin with
 # After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering (lost_node).
 NODE_CHECK_SECONDS = 30
 # ... and, once it is flagged, for Slurm to mark it down (after its SlurmdTimeout, 300 s by default).
 NODE_DOWN_SECONDS = 600
-
-
-def say(text):
-    sys.stderr.write(f"{PROGRAM}: {text}\n")
-    sys.stderr.flush()
 
 
 def is_script(config):

@@ -16,7 +16,6 @@ their call through the environment srun passes on, as mpirun's are with ``-x``."
 import json
 import os
 import shutil
-import signal
 import socket
 import threading
 import time
@@ -25,7 +24,7 @@ from .. import settings
 from ..errors import BackendUnavailable
 from ..runtime import startup
 from . import preemption
-from .launchers import Launch, end
+from .launchers import Launch, end, kill_processes_with
 
 CALL_POLL_SECONDS = 0.02  # how often a waiting spare looks for its call (a stat: no core used)
 OWNER_SECONDS = 1.0  # how often it checks that its supervisor still runs
@@ -101,18 +100,6 @@ def _write_json(path, record):
 
 
 # ---------------------------------------------------------------- in the supervisor
-def _end_ranks(variable):
-    """SIGKILL to every process of this host whose environment holds ``variable`` (``NAME=value``). Linux."""
-    wanted = variable.encode() + b"\0"
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if wanted in f.read():
-                    os.kill(int(name), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass  # not a process, gone, or not ours to read
-
-
 def training_started(metrics_file):
     """A test, cheap to repeat, of whether a launch started now has begun training: a ``start`` record
     appended to ``metrics_file`` (rank 0 writes it before the first step)."""
@@ -176,7 +163,7 @@ class SpareSet:
         # Ranks the launcher was still starting when told to end (or all of them, had it to be killed) live on,
         # importing, holding memory: those on this host are found by their call (srun's on other nodes end at
         # the stop signal it passed on, once their imports are done)
-        _end_ranks(f"{settings.name('SPARE_CALL')}={self.call}")
+        kill_processes_with(f"{settings.name('SPARE_CALL')}={self.call}")
         self.launch.finish()
 
 

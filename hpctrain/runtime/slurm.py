@@ -52,6 +52,13 @@ def slurmd_node(environ=None):
     return (os.environ if environ is None else environ).get("SLURMD_NODENAME")
 
 
+def step_task_variables(job, step, environ=None):
+    """``NAME=value`` entries found in the environment of every task of step ``job.step`` on this node (a
+    test cluster's nodes may share one process table: the node's name tells theirs apart)."""
+    node = slurmd_node(environ)
+    return [f"SLURM_JOB_ID={job}", f"SLURM_STEP_ID={step}"] + ([f"SLURMD_NODENAME={node}"] if node else [])
+
+
 def job_id(environ=None):
     """The id that ``scontrol requeue`` accepts for this job: ``<array job>_<task>`` inside a job array
     (requeueing the bare job id would requeue the whole array), else the job id, or ``None`` outside Slurm."""
