@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from ..errors import HpctrainError
-from ..job.relaunch import PROGRAM, Supervisor, make_plan, say
+from ..job.launchers import PROGRAM, say
+from ..job.relaunch import Supervisor, make_plan
 
 
 def build_parser():

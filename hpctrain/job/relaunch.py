@@ -40,7 +40,7 @@ from ..config import load_config, resolve_global_batch
 from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
 from ..runtime import slurm
 from . import diagnosis, rundir, spares
-from .launchers import PROGRAM, Mpirun, Srun, changed, run_launch, say  # noqa: F401 (PROGRAM: the command's)
+from .launchers import Mpirun, Srun, changed, run_launch, say
 
 # After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering (lost_node).
 NODE_CHECK_SECONDS = 30
