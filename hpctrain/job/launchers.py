@@ -106,8 +106,8 @@ class StepEnder:
     CRASHES = {6, 7, 9, 11}  # SIGABRT, SIGBUS, SIGKILL, SIGSEGV, as srun names them
     STEP = re.compile(r"Terminating (?:StepId=|job step )(\d+)\.(\d+)\s")
 
-    def __init__(self):
-        self.text, self.step, self.active = "", None, True
+    def __init__(self, active=True):
+        self.text, self.step, self.active = "", None, active  # inactive: a spare set's step, until it is called
 
     def __call__(self, chunk):
         if self.step is not None or not self.active:
@@ -190,9 +190,7 @@ class Launch:
 
     def __init__(self, cmd, env, quiet=False):
         self.child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.ender = StepEnder() if os.path.basename(cmd[0]) == Srun.name else None
-        if self.ender is not None:
-            self.ender.active = not quiet  # a spare set's step, ended on purpose, until it is called
+        self.ender = StepEnder(active=not quiet) if os.path.basename(cmd[0]) == Srun.name else None
         self.tees = [_Tee(self.child.stdout, sys.stdout.buffer, not quiet),
                      _Tee(self.child.stderr, sys.stderr.buffer, not quiet, self.ender)]
         for t in self.tees:
