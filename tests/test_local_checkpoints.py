@@ -8,6 +8,7 @@ import pytest
 
 from hpctrain.checkpoint.content import format as fmt
 from hpctrain.checkpoint.local import files as localfiles
+from hpctrain.checkpoint.local import level
 from hpctrain.checkpoint.content.plan import DatasetPlan, WritePlan
 from hpctrain.config import load_config, validate
 from hpctrain.errors import ConfigError
@@ -172,7 +173,8 @@ def test_clean_local_removes_this_nodes_snapshots_of_a_run_or_of_a_slurm_job(tmp
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["checkpoint.local_every_steps=5"], "only used with checkpoint.local = true"),
+    (["checkpoint.local=false", "checkpoint.local_every_steps=5"], "only used with checkpoint.local = true"),
+    (["checkpoint.local=maybe"], 'checkpoint.local = .maybe. is not true, false or "auto"'),
     (["checkpoint.local=true", "checkpoint.local_every_steps=-1"], "local_every_steps"),
     (["checkpoint.local=true", "checkpoint.local_every_steps=5", "parallel.stages=2"], "not supported"),
 ])
@@ -181,3 +183,24 @@ def test_local_level_configuration_errors_name_the_fix(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(load_config(ROOT / "examples" / "digits.toml", overrides, environ={}), world_size=4)
+
+
+def test_the_local_level_is_auto_by_default_and_off_for_a_split_model_without_an_error():
+    from mpi_harness import ROOT
+
+    cfg = load_config(ROOT / "examples" / "digits.toml", ["parallel.stages=2", "parallel.micro_batches=2"],
+                      environ={})
+    assert cfg.checkpoint.local == "auto"
+    validate(cfg, world_size=4)  # "auto" is off for a split model (training.setup says so), not an error
+    assert load_config(ROOT / "examples" / "digits.toml", ["checkpoint.local=off"], environ={}).checkpoint.local is False
+
+
+def test_auto_keeps_the_level_only_where_its_snapshots_fit_in_half_the_free_space():
+    mib = 2**20
+    nodes, dests = ["n1", "n1", "n2", "n2"], localfiles.partners(["n1", "n1", "n2", "n2"])
+    # each node: 2 parts of its own and 2 copies, 3 snapshots of each: 12 MiB for 1-MiB parts
+    assert level.short_of_room([(mib, 25 * mib)] * 4, nodes, dests, "/dev/shm") is None
+    why = level.short_of_room([(mib, 25 * mib)] * 2 + [(mib, 23 * mib)] * 2, nodes, dests, "/dev/shm")
+    assert why == "3 snapshots with their copies need 12.0 MiB of /dev/shm on n2, more than half of its 23.0 MiB free"
+    # one node: no copies on another node, so only its own parts
+    assert level.short_of_room([(mib, 13 * mib)] * 2, ["vm", "vm"], [None, None], "/tmp") is None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ConfigError
-from .values import typed_value
+from .values import Switch, typed_value
 
 # ---------------------------------------------------------------- the choices keys take
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -68,8 +68,9 @@ class CheckpointConfig:
     max_overhead: float = 0.0  # fraction of wall time training may wait for saves, e.g. 0.02; 0: off
     mtbf_hours: float = 0.0  # the job's mean time between failures: Young/Daly interval; 0: off
     # The node-local level (docs/checkpoint-format.md, "Node-local checkpoints"): snapshots into storage on
-    # each node, with a copy on the next node, between the HDF5 checkpoints; resume takes the newer.
-    local: bool = False
+    # each node, with a copy on the next node, between the HDF5 checkpoints; resume takes the newer. "auto": on
+    # where they fit in half of local_dir's free space (and the model is not split); true: on, or an error.
+    local: Switch = "auto"
     local_every_steps: int = 0  # steps between snapshots; 0: chosen from their cost (auto_interval's budget, else 1%)
     local_dir: str = "/dev/shm"  # RAM-backed by default; a local disk's path works too
     # The file's layout and MPI-IO (docs/checkpoint-format.md, "Aligned layout"): large datasets and each rank's

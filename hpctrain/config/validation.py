@@ -216,7 +216,7 @@ def _check_io_hints(hints):
 
 def _check_local(k):
     """``[checkpoint]``: the node-local level's keys need it."""
-    if not k.local and k.local_every_steps:
+    if k.local is False and k.local_every_steps:
         raise ConfigError(f"checkpoint.local_every_steps = {k.local_every_steps} is only used with "
                           f"checkpoint.local = true, which is false",
                           hint="set checkpoint.local=true, or remove checkpoint.local_every_steps")
@@ -337,7 +337,7 @@ def _check_split(cfg):
     if cfg.checkpoint.async_save:
         raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
                           f"model in place", hint="set checkpoint.async_save=false")
-    if cfg.checkpoint.local:
+    if cfg.checkpoint.local is True:  # "auto" is off here (training.setup says so)
         raise ConfigError(f"checkpoint.local (node-local checkpoints) is not supported {why} yet: a snapshot "
                           f"is recovered as a data-parallel state", hint="set checkpoint.local=false")
     if cfg.monitor.consistency_every:

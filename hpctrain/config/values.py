@@ -7,6 +7,18 @@ _FALSE = ("false", "0", "no", "off")
 _EXAMPLES = {bool: "true", int: "10", float: "0.5", dict: "{width = 64}", list: '["src"]'}  # for a hint
 
 
+class Switch(str):
+    """The type of a key that is true, false, or ``"auto"`` (hpctrain decides at run time)."""
+
+
+def _switch(value):
+    """``value`` (TOML's, or an override's text) as True, False or "auto"; None if it is none of them."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return True if text in _TRUE else False if text in _FALSE else "auto" if text == "auto" else None
+
+
 def typed_value(value, kind, optional, name, source, from_text):
     """``value`` (TOML's, or with ``from_text`` an override's text) as the type ``kind`` of the key ``name``."""
     def bad(expected):
@@ -15,6 +27,12 @@ def typed_value(value, kind, optional, name, source, from_text):
 
     if kind in (dict, list):
         return _convert_table(value, kind, name, source, from_text)
+    if kind is Switch:
+        switched = _switch(value)
+        if switched is None:
+            raise ConfigError(f"{source}: {name} = {value!r} is not true, false or \"auto\"",
+                              hint=f'give {name} true, false or "auto", e.g. {name}=false')
+        return switched
     if from_text:
         text = value.strip()
         if optional and text.lower() in ("", "none", "null"):

@@ -68,6 +68,9 @@ def set_up(trainer, local):
     if t.early_stop_patience and not cfg.checkpoint.keep_best:  # the best checkpoint outlives the patience
         cfg.checkpoint = dataclasses.replace(cfg.checkpoint, keep_best=1)
         said.append("early stopping keeps the best checkpoint (checkpoint.keep_best = 1)")
+    if cfg.checkpoint.local == "auto" and is_split(cfg):  # its snapshots are recovered as a data-parallel state
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, local=False)
+        said.append('node-local checkpoints: off (checkpoint.local = "auto"): not yet for a split model')
     if checkpoints == "auto":
         checkpoints = CheckpointManager(rundir.checkpoint_dir(cfg, run_dir), world, cfg.checkpoint,
                                         run_config=cfg.to_dict(), planner=steps.planner())
@@ -193,6 +196,8 @@ def _say_first_lines(run):
         run.log(mpi_settings())
     if getattr(run.checkpoints, "io", None) is not None:  # a user's own manager may not have it
         run.log(run.checkpoints.io.describe())
+    if getattr(run.checkpoints, "local", None) is not None:
+        run.log(run.checkpoints.local.describe())
     for note in getattr(run.cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
         run.log(note)
     if steps.describe():

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...runtime import fsutil, slurm
-from ...runtime.coordination import all_or_none, on_root
+from ...runtime.coordination import on_root
 from .. import commit, directory
 from ..content import format as fmt
 from ..content import metadata
@@ -54,19 +54,28 @@ class LocalLevel:
         self.checkpoint_dir = os.path.abspath(checkpoint_dir)
         self.base = files.base_dir(cfg.local_dir, self.checkpoint_dir)
         self.ndir = files.node_dir(self.base, world.node)
-        all_or_none(lambda: _check_local_dir(cfg.local_dir, world), self.comm)
-        self.nodes = self.comm.allgather(world.node)
-        dests, rank = files.partners(self.nodes), self.comm.Get_rank()
-        self.dest, self.sources = dests[rank], [q for q, d in enumerate(dests) if d == rank]
+        self.auto, self.local_dir = cfg.local == "auto", cfg.local_dir  # auto: off where there is no room
+        self.nodes, problems = zip(*self.comm.allgather((world.node, _local_dir_problem(cfg.local_dir, world))))
+        self.off = next((p for p in problems if p), None)  # why the level is off (no space, no directory), once it is
+        if self.off and not self.auto:
+            raise CheckpointError(self.off, hint="name a directory that exists on every node: /dev/shm (memory), or "
+                                                 "a local disk such as /tmp or $TMPDIR")
+        self.dests, rank = files.partners(self.nodes), self.comm.Get_rank()
+        self.dest, self.sources = self.dests[rank], [q for q, d in enumerate(self.dests) if d == rank]
         self.leader = world.local_rank == 0  # one rank per node tidies the node's directory
         self.every = cfg.local_every_steps
-        if cfg.auto_interval:
-            self.interval = AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
-        else:
-            self.interval = None if self.every else AutoInterval(DEFAULT_OVERHEAD)
+        self.interval = (AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
+                         if cfg.auto_interval else None if self.every else AutoInterval(DEFAULT_OVERHEAD))
         self.last_step = None
         self.announced = False
-        self.off = None  # why the level stopped (no space), once it has
+
+    def describe(self):
+        """The run's first line of the level: on or off (``auto`` without a usable directory), where, its bound."""
+        if self.off:
+            return f'node-local checkpoints: off (checkpoint.local = "auto"): {self.off}'
+        bound = ("while their snapshots fit in half of its free space (checked at the first; checkpoint.local=false "
+                 "turns them off)" if self.auto else "(checkpoint.local = true)")
+        return f"node-local checkpoints: on, in {self.local_dir} {bound}"
 
     # -- when
 
@@ -98,15 +107,11 @@ class LocalLevel:
                                 "rng": metadata.rng_states()}, comm)
         plan = planner.plan(state, info, True)
         mark_finite(plan)
-        own, where = files.part_path(self.ndir, step, rank), self.world.where()
-        error, bad, nbytes = None, [], 0
-        try:
-            nbytes, bad = files.write_part(own, plan, rank, step, size, self.checkpoint_dir, self.world.node)
-        except OSError as exc:
-            error = f"{where}: writing {own}: {exc}"
-        stored, copy_error = copy_to_partner(comm, None if error else own, nbytes, self.dest, self.sources,
-                                             lambda q: files.part_path(self.ndir, step, q), where)
-        outcome = comm.allgather((error or copy_error, bad, nbytes, stored))
+        if self.auto and not self.announced:
+            self.off = _short_of_room_here(comm, plan, self.nodes, self.dests, self.local_dir)
+            if self.off:
+                return False
+        outcome = _write_with_copies(self, plan, step)
         errors = [e for e, _, _, _ in outcome if e]
         if errors or any(b for _, b, _, _ in outcome):
             shutil.rmtree(files.step_dir(self.ndir, step), ignore_errors=True)
@@ -137,6 +142,8 @@ class LocalLevel:
         checkpoint file of the directory; returns its path, or None (then the HDF5 file is the newest, and rank 0
         has said what that costs). Usable: every part survives somewhere with checksums that hold; a damaged part
         is replaced by its copy on the next node, else the next older snapshot is taken."""
+        if self.off:  # checkpoint.local = "auto" without a usable directory: nothing there to recover
+            return None
         comm, is_root = self.comm, self.comm.Get_rank() == 0
         seen = files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
         everything = comm.gather(seen, root=0)
@@ -187,6 +194,20 @@ class LocalLevel:
         self.comm.Free()
 
 
+def _write_with_copies(level, plan, step):
+    """Collective: each rank's part of ``plan`` written on its node and copied to its partner; every rank's
+    ``(error or None, indices of non-finite datasets, part bytes, copy bytes stored)``."""
+    comm, rank, where = level.comm, level.comm.Get_rank(), level.world.where()
+    own, error, bad, nbytes = files.part_path(level.ndir, step, rank), None, [], 0
+    try:
+        nbytes, bad = files.write_part(own, plan, rank, step, comm.Get_size(), level.checkpoint_dir, level.world.node)
+    except OSError as exc:
+        error = f"{where}: writing {own}: {exc}"
+    stored, copy_error = copy_to_partner(comm, None if error else own, nbytes, level.dest, level.sources,
+                                         lambda q: files.part_path(level.ndir, step, q), where)
+    return comm.allgather((error or copy_error, bad, nbytes, stored))
+
+
 def _gather_usable(comm, everything, newer_than):
     """Collective: the newest snapshot after ``newer_than`` whose parts all read back intact (``everything``: on
     rank 0, what each rank found on its node), gathered on rank 0: ``(step, chosen, skipped, arrays, specs)``,
@@ -229,11 +250,7 @@ def _memory_line(base, nodes, sizes, dest, sources):
     for node, (own, copies) in zip(nodes, sizes):
         per_node[node] = per_node.get(node, 0) + own + copies
     node, most = max(per_node.items(), key=lambda kv: kv[1])
-    try:
-        st = os.statvfs(base)
-        free = f", {_mib(st.f_bavail * st.f_frsize)} free there now"
-    except OSError:
-        free = ""
+    free = f", {_mib(_free_bytes(base))} free there now" if os.path.isdir(base) else ""
     copies = ("each part also kept on the next node" if dest is not None or sources
               else "one node: no copies on another node, so the level survives a rank's loss, not the node's")
     return (f"hpctrain: node-local checkpoints in {base}/<node>: at most {_mib(KEPT * most)} per node "
@@ -258,10 +275,45 @@ def _incomplete_line(skipped, newer_than):
             f"resuming from {back} instead: {lost - newer_than} steps to compute again")
 
 
-def _check_local_dir(local_dir, world):
-    """This rank's node can keep snapshots in ``local_dir``."""
+def _short_of_room_here(comm, plan, nodes, dests, local_dir):
+    """Collective, before the first snapshot with ``checkpoint.local = "auto"``: :func:`short_of_room` for this
+    job's nodes, said by rank 0."""
+    rank = comm.Get_rank()
+    own = sum(np.asarray(d.mine).nbytes for d in plan.datasets if d.mine is not None and d.region_of(rank) is not None)
+    why = short_of_room(comm.allgather((own, _free_bytes(local_dir))), nodes, dests, local_dir)
+    if why and rank == 0:
+        print(f'hpctrain: node-local checkpoints turned off (checkpoint.local = "auto"): {why}; the HDF5 checkpoints '
+              f"go on. HINT: set checkpoint.local_dir to a local disk with room", flush=True)
+    return why
+
+
+def short_of_room(sizes, nodes, dests, local_dir):
+    """Why the snapshots do not fit, or None: ``sizes[r]`` is rank r's ``(part bytes, free bytes where it runs)``,
+    ``nodes[r]`` its node, ``dests[r]`` the rank that keeps a copy of its part (or None). A node holds :data:`KEPT`
+    snapshots of its ranks' parts and of the copies sent to it, in at most half of its free space."""
+    need, free = {}, {}
+    for r, (nbytes, room) in enumerate(sizes):
+        for q in (r, dests[r]):
+            if q is not None:
+                need[nodes[q]] = need.get(nodes[q], 0) + KEPT * nbytes
+        free[nodes[r]] = room
+    short = [n for n in need if need[n] > free[n] / 2]
+    if not short:
+        return None
+    return (f"{KEPT} snapshots with their copies need {_mib(need[short[0]])} of {local_dir} on {short[0]}, more "
+            f"than half of its {_mib(free[short[0]])} free")
+
+
+def _local_dir_problem(local_dir, world):
+    """Why this rank's node cannot keep snapshots in ``local_dir``, or None."""
     if not os.path.isdir(local_dir) or not os.access(local_dir, os.W_OK | os.X_OK):
-        raise CheckpointError(f"checkpoint.local_dir = {local_dir!r} is not a writable directory on "
-                              f"{world.node}",
-                              hint="name a directory that exists on every node: /dev/shm (memory), or a local "
-                                   "disk such as /tmp or $TMPDIR")
+        return f"checkpoint.local_dir = {local_dir!r} is not a writable directory on {world.node}"
+    return None
+
+
+def _free_bytes(path):
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
