@@ -2,15 +2,16 @@
 random rank is SIGKILLed every T seconds (each wait drawn uniformly from [T/2, 3T/2]); an uninterrupted run
 of the same length, in the same command, is the reference.
 
-    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,local] [--out DIR]
+    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local] [--out DIR]
 
 ETTR = steps kept / steps the uninterrupted run made in the same wall time. Each run starts from nothing
 (its first start-up counts, as in the reference) and is stopped after M minutes with SIGUSR1 (hpctrain's stop:
 the ranks save and exit); steps kept are the step of that last checkpoint. Per failure: the restart's cost
 from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown), and the
 steps computed again. Configurations: ``defaults`` (what a user gets: a checkpoint per epoch of 1024
-steps; a warm spare set), ``local`` (``checkpoint.local = true``, its interval chosen by hpctrain), ``cold`` and
-``cold-local`` (the same with ``--spares 0``: every relaunch starts its ranks). The model: an MLP of
+steps, node-local snapshots between them at an interval hpctrain chooses (``checkpoint.local = "auto"``), a warm
+spare set), ``no-local`` (``checkpoint.local = false``: the files alone), ``local`` (``checkpoint.local = true``),
+``cold`` and ``cold-local`` (``--spares 0``: every relaunch starts its ranks). The model: an MLP of
 0.56M parameters on the generated teacher data (65536 samples, global batch 64). The load average is recorded
 before and after each run; run nothing else meanwhile.
 """
@@ -39,8 +40,9 @@ MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num
          "data.generate=teacher", "data.val=none", "train.max_steps=1000000000", "train.epochs=100000",
          "monitor.progress=log", "monitor.log_every=20"]
 # name: (options of hpctrain launch, overrides)
-CONFIGS = {"defaults": ([], []), "local": ([], ["checkpoint.local=true"]),
-           "cold": (["--spares", "0"], []), "cold-local": (["--spares", "0"], ["checkpoint.local=true"])}
+CONFIGS = {"defaults": ([], []), "no-local": ([], ["checkpoint.local=false"]),
+           "local": ([], ["checkpoint.local=true"]), "cold": (["--spares", "0"], []),
+           "cold-local": (["--spares", "0"], ["checkpoint.local=true"])}
 
 
 def _idle_spare(pid):
@@ -136,7 +138,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--every", default="60,120", help="seconds between kills (mean), comma-separated")
-    ap.add_argument("--configs", default="defaults,local")
+    ap.add_argument("--configs", default="defaults,no-local")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-results", time.strftime("ettr-%Y%m%d-%H%M%S")))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
