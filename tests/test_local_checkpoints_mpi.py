@@ -183,3 +183,29 @@ def test_sharded_snapshot_is_the_file_an_hdf5_save_writes_and_resumes_on_fewer_r
     for name in theirs:
         assert ours[name].dtype == theirs[name].dtype and np.array_equal(ours[name], theirs[name]), name
     assert "done at step 40" in resumed.stdout
+
+
+def test_the_defaults_take_node_local_snapshots_where_they_can_and_say_so(tmp_path, digits):
+    """No checkpoint.local set ("auto"): the first lines say the level is on, a snapshot is taken and removed
+    at the end; with a local_dir that is no directory the run says the level is off and trains all the same;
+    checkpoint.local = true with it is bad input, on every rank."""
+    common = ["examples/digits.toml", f"data.path={digits}", "data.val=none", "monitor.progress=log",
+              "train.max_steps=12", "checkpoint.local_every_steps=4"]
+    local = tmp_path / "local"
+    local.mkdir()
+    on = mpirun(2, ["-m", "hpctrain", "train", *common, f"run.run_dir={tmp_path / 'on'}",
+                    f"checkpoint.local_dir={local}"], timeout=RUN_TIMEOUT).check()
+    assert f"hpctrain: node-local checkpoints: on, in {local} while their snapshots fit in half" in on.stdout
+    assert f"hpctrain: node-local checkpoints in {local}/hpctrain-" in on.stdout, on.stdout[-3000:]
+    assert "done at step 12" in on.stdout and not any(local.iterdir())
+    nowhere = tmp_path / "nowhere"
+    off = mpirun(2, ["-m", "hpctrain", "train", *common, f"run.run_dir={tmp_path / 'off'}",
+                     f"checkpoint.local_dir={nowhere}"], timeout=RUN_TIMEOUT).check()
+    assert (f"hpctrain: node-local checkpoints: off (checkpoint.local = \"auto\"): checkpoint.local_dir = "
+            f"'{nowhere}' is not a writable directory on") in off.stdout, off.stdout[-3000:]
+    assert "done at step 12" in off.stdout and "node-local checkpoints in" not in off.stdout
+    bad = mpirun(2, ["-m", "hpctrain", "train", *common, f"run.run_dir={tmp_path / 'bad'}", "checkpoint.local=true",
+                     f"checkpoint.local_dir={nowhere}"], timeout=RUN_TIMEOUT)
+    assert bad.returncode == 2 and "is not a writable directory on" in bad.stderr, bad.output[-3000:]
+    assert "Traceback" not in bad.output and "MPI_ABORT" not in bad.output  # every rank ended alike
+    assert not nowhere.exists()

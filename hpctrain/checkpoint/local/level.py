@@ -23,7 +23,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...runtime import fsutil, slurm
-from ...runtime.coordination import on_root
+from ...runtime.coordination import everywhere, on_root
 from .. import commit, directory
 from ..content import format as fmt
 from ..content import metadata
@@ -58,8 +58,8 @@ class LocalLevel:
         self.nodes, problems = zip(*self.comm.allgather((world.node, _local_dir_problem(cfg.local_dir, world))))
         self.off = next((p for p in problems if p), None)  # why the level is off (no space, no directory), once it is
         if self.off and not self.auto:
-            raise CheckpointError(self.off, hint="name a directory that exists on every node: /dev/shm (memory), or "
-                                                 "a local disk such as /tmp or $TMPDIR")
+            raise everywhere(CheckpointError(self.off, hint="name a directory that exists on every node: /dev/shm "
+                                                            "(memory), or a local disk such as /tmp or $TMPDIR"))
         self.dests, rank = files.partners(self.nodes), self.comm.Get_rank()
         self.dest, self.sources = self.dests[rank], [q for q, d in enumerate(self.dests) if d == rank]
         self.leader = world.local_rank == 0  # one rank per node tidies the node's directory
