@@ -9,7 +9,7 @@ and signal from what ``mpirun`` (Open MPI) or ``srun`` printed. :func:`diagnose`
 """
 import re
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_HUNG, EXIT_OTHER, EXIT_STOPPED
@@ -42,10 +42,7 @@ def launcher_events(text):
         host = m.group(2).rstrip(".,")
         found.append((m.start(), {"rank": int(m.group(1)), "host": host, "signal": int(m.group(3)), "status": None,
                                   "source": "mpirun"}))
-    for m in _OMPI_ABORT.finditer(text):
-        found.append((m.start(), {"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
-                                  "source": "mpirun"}))
-    for m in _OMPI_EXIT.finditer(text):
+    for m in [*_OMPI_ABORT.finditer(text), *_OMPI_EXIT.finditer(text)]:
         found.append((m.start(), {"rank": int(m.group(1)), "host": None, "signal": None, "status": int(m.group(2)),
                                   "source": "mpirun"}))
     for m in _SRUN_TASK.finditer(text):
@@ -97,9 +94,6 @@ class Failure:
                 "stopped": "stopped on request", "exit": "called sys.exit alone"}.get(self.cause, "failed")
         error = f": {self.error}" if self.error else ""
         return f"{who} {what}{error} (exit status {self.status})"
-
-    def as_dict(self):
-        return asdict(self)
 
 
 def stalled(seconds):
