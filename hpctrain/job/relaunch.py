@@ -94,11 +94,6 @@ class LaunchPlan:
         return os.path.join(self.run_dir, rundir.METRICS_FILE)
 
 
-def _root_allowed(env, extra):
-    """Whether mpirun will start ranks as root: its option, or both of its variables."""
-    return "--allow-run-as-root" in extra or settings.mpirun_root_allowed(env)
-
-
 def make_plan(args, environ=None):
     """Everything a launch needs, checked before anything starts (ConfigError on bad input)."""
     env = os.environ if environ is None else environ
@@ -138,8 +133,9 @@ def make_plan(args, environ=None):
         raise ConfigError(f"--exclude {','.join(excluded)}: leaving nodes out needs srun in an allocation of "
                           f"several nodes, with some left (nodes here: {', '.join(hosts or []) or 'one'})",
                           hint="drop --exclude, or name nodes of this allocation")
-    if isinstance(launcher, Mpirun) and os.geteuid() == 0 and not _root_allowed(env, extra):
-        # mpirun refuses at once, every time: relaunching would only repeat it
+    if (isinstance(launcher, Mpirun) and os.geteuid() == 0 and "--allow-run-as-root" not in extra
+            and not settings.mpirun_root_allowed(env)):
+        # mpirun refuses at once, every time (without its option or both of its variables): a relaunch would too
         raise ConfigError("running as root, and Open MPI's mpirun refuses to start ranks as root unless told to",
                           hint="run as an ordinary user, or export OMPI_ALLOW_RUN_AS_ROOT=1 "
                                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or --mpirun-args=--allow-run-as-root)")
