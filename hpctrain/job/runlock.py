@@ -88,11 +88,8 @@ def _pid_alive(pid, proc_start=None):
     except (PermissionError, ValueError, TypeError):
         return True  # exists but not ours, or unreadable: assume alive
     state, start = proc_state(pid)
-    if state in ("Z", "X"):  # exited, not yet reaped
-        return False
-    if proc_start is not None and start is not None and start != proc_start:
-        return False  # the pid now belongs to another process
-    return True
+    # gone: exited but not yet reaped (Z, X), or the pid now belongs to another process
+    return state not in ("Z", "X") and (proc_start is None or start is None or start == proc_start)
 
 
 def stale_reason(holder, me):
@@ -127,12 +124,9 @@ def stale_reason(holder, me):
 
 
 def _describe(holder):
-    job = ""
-    if holder.get("slurm_job"):
-        step = f" step {holder['slurm_step']}" if holder.get("slurm_step") else ""
-        job = f"Slurm job {holder['slurm_job']}{step}, "
-    run = holder.get("run_dir")
-    run = f" for run directory {run}" if run else ""
+    step = f" step {holder['slurm_step']}" if holder.get("slurm_step") else ""
+    job = f"Slurm job {holder['slurm_job']}{step}, " if holder.get("slurm_job") else ""
+    run = f" for run directory {holder['run_dir']}" if holder.get("run_dir") else ""
     return f"{job}pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}{run}"
 
 
@@ -146,11 +140,8 @@ def _busy_error(directory, holder, me, kind):
         text += " (another step of this job, still running)"
     elif same_job:
         text += " (another launch in the same step of this job, still running)"
-    if kind == "run":
-        fix = "give this run its own directory (run.run_dir)"
-    else:
-        fix = ("give this run its own checkpoint.directory, or leave it unset to use "
-               "<run directory>/checkpoints")
+    fix = ("give this run its own directory (run.run_dir)" if kind == "run" else
+           "give this run its own checkpoint.directory, or leave it unset to use <run directory>/checkpoints")
     if other_step:
         fix += f", or let step {holder['slurm_step']} end first (scancel {holder['slurm_step']} stops it)"
     return RunDirBusy(text, hint=f"{fix}; if that job is really gone, delete {path}")
@@ -161,8 +152,7 @@ def _read(path):
     lock file from an older hpctrain without a token is named by its inode."""
     with open(path) as f:
         st = os.fstat(f.fileno())
-        text = f.read()
-    holder = json.loads(text)
+        holder = json.load(f)
     return holder, holder.get("token") or f"i{st.st_ino}"
 
 
@@ -272,10 +262,6 @@ def _take(directory, path, record, me, kind):
                      hint="give this run its own directory")
 
 
-def _same(a, b):
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
 def acquire(run_dir, environ=None, checkpoint_dir=None):
     """Take the lock of ``run_dir`` (created if missing) and, when given and elsewhere, of ``checkpoint_dir``
     for the same holder; returns the run directory lock file's path. Raises :class:`RunDirBusy` naming the
@@ -286,10 +272,8 @@ def acquire(run_dir, environ=None, checkpoint_dir=None):
     """
     me = _owner(environ)
     me["run_dir"] = os.path.abspath(run_dir)
-    others = []
-    if checkpoint_dir and not _same(checkpoint_dir, run_dir):
-        others = [os.path.abspath(checkpoint_dir)]
-    me["also"] = others
+    same = checkpoint_dir and os.path.realpath(checkpoint_dir) == os.path.realpath(run_dir)
+    me["also"] = others = [os.path.abspath(checkpoint_dir)] if checkpoint_dir and not same else []
     path = _lock_one(run_dir, me, "run")
     try:
         for directory in others:
