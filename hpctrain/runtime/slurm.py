@@ -31,12 +31,11 @@ def first_int(env, *names):
 
 def environment(environ=None):
     """What Slurm's variables say of this process's job (``None`` outside Slurm): the job id,
-    its task count, node list and this node's name (pure)."""
+    its task count and node list (pure)."""
     env = os.environ if environ is None else environ
     return dict(slurm_job_id=env.get("SLURM_JOB_ID"),
                 slurm_ntasks=first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-                slurm_nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST"),
-                slurm_node=env.get("SLURMD_NODENAME"))
+                slurm_nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST"))
 
 
 def task(environ=None):
@@ -165,12 +164,8 @@ def step_active(step):
 
 def node_states(sinfo_text):
     """``{node: state}`` from ``sinfo -h -N -o "%N %t"`` (pure); ``*`` after a state: not answering Slurm."""
-    states = {}
-    for line in sinfo_text.splitlines():
-        name, _, state = line.strip().partition(" ")
-        if name:
-            states[name] = state.strip()
-    return states
+    lines = (line.strip().partition(" ") for line in sinfo_text.splitlines())
+    return {name: state.strip() for name, _, state in lines if name}
 
 
 def unresponsive_nodes(sinfo_text, nodes):
@@ -209,9 +204,7 @@ def slurmd_address(node):
 
 def left_allocation(node, job):
     """True once Slurm has removed ``node`` from job ``job`` (a --no-kill job losing a node)."""
-    if not job:
-        return False
-    nodes = job_nodes(job)
+    nodes = job_nodes(job) if job else None
     return nodes is not None and node not in nodes
 
 

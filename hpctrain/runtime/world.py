@@ -28,7 +28,6 @@ class LaunchInfo:
     slurm_job_id: Optional[str] = None
     slurm_ntasks: Optional[int] = None
     slurm_nodelist: Optional[str] = None
-    slurm_node: Optional[str] = None
 
 
 def launch_info(environ=None):
