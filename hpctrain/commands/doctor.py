@@ -207,9 +207,8 @@ def check_checkpoint_io(directory, mpi_ok):
     detail = f"{directory}: {io.describe().split(': ', 1)[1]}"
     if mpi_ok and io.hints and os.path.isdir(directory) and os.access(directory, os.W_OK):
         detail += f"; MPI-IO keeps: {_hints_kept(directory, io)}"
-    known = bool(io.filesystem)
-    return Check("ckpt I/O", known, detail, "run `hpctrain doctor --checkpoint-dir DIR` on a compute node, where "
-                 "/proc/self/mountinfo names the file system", required=False)
+    return Check("ckpt I/O", bool(io.filesystem), detail, "run `hpctrain doctor --checkpoint-dir DIR` on a compute "
+                 "node, where /proc/self/mountinfo names the file system", required=False)
 
 
 def _unwritable(directory):
@@ -271,24 +270,16 @@ def run_checks(checkpoint_dir="."):
         checks.append(check_mpirun())
     launch_check, info, rank, size = check_launch(comm)
     checks.append(launch_check)
+    # From the h5py the checks imported: importing it here, after a stack check failed, would start MPI.
+    h5py = sys.modules.get("h5py")
     report = {
-        "hpctrain": __version__,
-        "host": node_name(),
-        "rank": rank,
-        "size": size,
-        "launcher": info.launcher,
+        "hpctrain": __version__, "host": node_name(), "rank": rank, "size": size, "launcher": info.launcher,
         "slurm_job_id": info.slurm_job_id,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": _version("torch"),
-            "numpy": _version("numpy"),
-            "mpi4py": _version("mpi4py"),
-            "mpi_library": mpi_lib,
-            "h5py": _version("h5py"),
-            "hdf5": _hdf5_version(),
-            "horovod": _version("horovod"),
-        },
-        "h5py_parallel": _h5py_parallel(),
+        "versions": {"python": platform.python_version(), "torch": _version("torch"), "numpy": _version("numpy"),
+                     "mpi4py": _version("mpi4py"), "mpi_library": mpi_lib, "h5py": _version("h5py"),
+                     "hdf5": h5py.version.hdf5_version if h5py is not None else None,
+                     "horovod": _version("horovod")},
+        "h5py_parallel": bool(h5py.get_config().mpi) if h5py is not None else False,
         "horovod_build": hvd_build,
         "cuda": cuda,
         "installation": asdict(record) if record is not None else None,
@@ -296,17 +287,6 @@ def run_checks(checkpoint_dir="."):
         "ok": all(c.ok or not c.required for c in checks),
     }
     return report, checks, comm
-
-
-# From the h5py the checks imported: importing it here, after a stack check failed, would start MPI.
-def _hdf5_version():
-    h5py = sys.modules.get("h5py")
-    return h5py.version.hdf5_version if h5py is not None else None
-
-
-def _h5py_parallel():
-    h5py = sys.modules.get("h5py")
-    return bool(h5py.get_config().mpi) if h5py is not None else False
 
 
 def main(argv=None):
