@@ -41,12 +41,9 @@ def _rows(directory, found, latest, quick):
         except CheckpointError:
             pass
         problems = [] if quick else verify_file(path)
-        if quick:
-            valid = "?"
-        elif not problems:
-            valid = "yes"
-        else:  # a diverged run's file is complete but worthless: say which
-            valid = "NaN" if all("non-finite" in p for p in problems) else "NO"
+        # a diverged run's file is complete but worthless: say which
+        valid = ("?" if quick else "yes" if not problems else
+                 "NaN" if all("non-finite" in p for p in problems) else "NO")
         mark = "* " if name == latest else "  "
         print(f"{mark}{step:>10}  {created:20}  {_size(os.path.getsize(path)):>10}  {valid:5}  {metrics}")
         for p in problems[:3]:
@@ -102,9 +99,7 @@ def cmd_inspect(args):
 
     h = read_header(args.file)
     print(f"{args.file}")
-    for key in sorted(h.root_attrs):
-        if key in ("datasets",):
-            continue
+    for key in sorted(set(h.root_attrs) - {"datasets"}):
         print(f"  {key}: {h.root_attrs[key]}")
     trainer = h.group_attrs.get(fmt.TRAINER, {})
     print("trainer:")
@@ -161,7 +156,7 @@ def model_state_dict(path):
 
 
 def cmd_export(args):
-    out, how = args.to, args.format or _format_of(args.to)
+    out, how = args.to, args.format or ("safetensors" if args.to.endswith(".safetensors") else "torch")
     problem = _unwritable_output(out, how)
     if problem:  # said before the checkpoint is read
         return _export_error(out, problem)
@@ -210,10 +205,6 @@ def _export_error(out, text):
 
 
 EXPORT_FORMATS = ("torch", "safetensors", "hf")
-
-
-def _format_of(path):
-    return "safetensors" if path.endswith(".safetensors") else "torch"
 
 
 def _export_pretrained(path, sd, out):
