@@ -9,32 +9,19 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS = {
-    "Trainer": "training.trainer",
-    "FitResult": "training.trainer",
-    "TrainConfig": "config",
-    "load_config": "config",
-    "validate": "config",
-    "CheckpointConfig": "config",
-    "HDF5Dataset": "data",
-    "ArrayDataset": "data",
-    "ShardSampler": "data",
-    "make_digits_h5": "data",
-    "make_teacher_h5": "data",
-    "build_model": "models",
-    "PhaseTimer": "monitoring.timing",
-    "get_backend": "backends",
-    "init_world": "runtime.world",
-    "World": "runtime.world",
-    "Progress": "state",
-    "TrainState": "state",
-    "HpctrainError": "errors",
-    "ConfigError": "errors",
-    "LaunchError": "errors",
-    "BackendUnavailable": "errors",
-    "CheckpointError": "errors",
+# module -> the public names it defines
+_MODULES = {
+    "training.trainer": ("Trainer", "FitResult"),
+    "config": ("TrainConfig", "load_config", "validate", "CheckpointConfig"),
+    "data": ("HDF5Dataset", "ArrayDataset", "ShardSampler", "make_digits_h5", "make_teacher_h5"),
+    "models": ("build_model",),
+    "monitoring.timing": ("PhaseTimer",),
+    "backends": ("get_backend",),
+    "runtime.world": ("init_world", "World"),
+    "state": ("Progress", "TrainState"),
+    "errors": ("HpctrainError", "ConfigError", "LaunchError", "BackendUnavailable", "CheckpointError"),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = ["__version__", *_EXPORTS]
 
