@@ -64,9 +64,7 @@ def get(name, default=None, environ=None):
 
 def get_bool(name, default=False, environ=None):
     value = get(name, None, environ)
-    if value is None:
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def mca(param, environ=None):

@@ -16,11 +16,8 @@ SUMMARY = "data-parallel PyTorch training on HPC clusters (Horovod, MPI, paralle
 
 
 def _help(record):
-    if record.stack_modules:
-        modules = f"Loads the modules it was built with: {' '.join(record.stack_modules)}"
-    else:
-        modules = ("Built against an MPI and HDF5 that were not modules: keep that mpirun "
-                   f"({record.mpirun}) first on PATH")
+    modules = (f"Loads the modules it was built with: {' '.join(record.stack_modules)}" if record.stack_modules else
+               f"Built against an MPI and HDF5 that were not modules: keep that mpirun ({record.mpirun}) first on PATH")
     return "\n".join([
         f"hpctrain {record.version}: {SUMMARY}",
         f"Installed in {record.prefix}",

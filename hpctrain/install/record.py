@@ -109,10 +109,9 @@ def stack_problems(record, mpirun_path, mpirun_line, loaded):
     """How the MPI on PATH (``mpirun_path``, the first line of its ``--version``: ``mpirun_line``)
     and the ``loaded`` modules differ from what ``record`` was built against; ``[]`` when they match."""
     reinstall = f"reinstall against what is loaded now: make install PREFIX={record.prefix}"
-    if record.stack_modules:
-        load = f"module load {' '.join(record.stack_modules)} (or module load {record.module}, which loads them)"
-    else:
-        load = f"put {os.path.dirname(record.mpirun)} first on PATH (the MPI it was built with)"
+    load = (f"module load {' '.join(record.stack_modules)} (or module load {record.module}, which loads them)"
+            if record.stack_modules else
+            f"put {os.path.dirname(record.mpirun)} first on PATH (the MPI it was built with)")
     problems = []
     missing = [m for m in record.stack_modules if m not in loaded]
     if missing:
@@ -136,9 +135,7 @@ def hdf5_problem(record, hdf5_version):
     """A :class:`StackProblem` when h5py runs on another HDF5 than it was built against, else None."""
     if not record.hdf5_version or hdf5_version == record.hdf5_version:
         return None
-    if record.stack_modules:
-        load = f"module load {' '.join(record.stack_modules)}"
-    else:
-        load = f"put the HDF5 {record.hdf5_version} it was built with ({record.hdf5_dir or record.hdf5_pkgconfig}) first"
+    load = (f"module load {' '.join(record.stack_modules)}" if record.stack_modules else
+            f"put the HDF5 {record.hdf5_version} it was built with ({record.hdf5_dir or record.hdf5_pkgconfig}) first")
     return StackProblem(f"h5py runs on HDF5 {hdf5_version}; this installation was built against HDF5 {record.hdf5_version}",
                         f"{load}, or reinstall: make install PREFIX={record.prefix}")

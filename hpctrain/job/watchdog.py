@@ -54,17 +54,12 @@ class Watchdog:
         if timeout < 0:
             raise ValueError(f"watchdog timeout must be >= 0 seconds (0: off), got {timeout}")
         self.timeout = float(timeout)
-        self.comm = comm
-        self.where = where
-        self.grace = grace
-        self.stream = stream
+        self.comm, self.where, self.grace, self.stream = comm, where, grace, stream
         self._cond = threading.Condition()
         self._deadline = None  # monotonic time at which an armed section expires
-        self._label = None
-        self._armed_for = None
+        self._label = self._armed_for = self._thread = None
         self._outer = []  # (label, timeout) of the sections an armed one is nested in
         self._closed = False
-        self._thread = None
 
     @property
     def enabled(self):
@@ -79,8 +74,7 @@ class Watchdog:
         self._ensure_thread()
         with self._cond:
             self._deadline = time.monotonic() + seconds
-            self._armed_for = seconds
-            self._label = label
+            self._armed_for, self._label = seconds, label
             self._cond.notify()
 
     def disarm(self):

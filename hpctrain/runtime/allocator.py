@@ -37,8 +37,7 @@ def why_not(environ=None, malloc=None):
     own = [k for k in _USERS_OWN if k in env]
     if own:
         return f"{own[0]} is set"
-    preload = env.get("LD_PRELOAD", "")
-    other = [a for a in _OTHER_ALLOCATORS if a in preload]
+    other = [a for a in _OTHER_ALLOCATORS if a in env.get("LD_PRELOAD", "")]
     if other:
         return f"{other[0]} is preloaded"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

@@ -77,8 +77,7 @@ def on_root(step, comm, root=0):
         except Exception as exc:  # handed to every rank below
             outcome = (False, _pack(exc, root))
             original = exc
-    outcome = comm.bcast(outcome, root=root)
-    ok, payload = outcome
+    ok, payload = comm.bcast(outcome, root=root)
     if ok:
         return payload
     if comm.Get_rank() == root:
@@ -148,8 +147,7 @@ def _record_failure(exc, rank, host, collective):
     else:
         kind = "error" if collective else "exception"
         status = getattr(exc, "exit_code", 1) if collective else 1
-    record(kind, rank=rank, host=host, status=status, error=type(exc).__name__, message=exc,
-                   collective=collective)
+    record(kind, rank=rank, host=host, status=status, error=type(exc).__name__, message=exc, collective=collective)
 
 
 @contextlib.contextmanager
