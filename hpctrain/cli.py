@@ -26,9 +26,8 @@ SUBCOMMANDS = {
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="hpctrain", description="Data-parallel PyTorch training on HPC clusters.",
-        epilog="Run `hpctrain COMMAND --help` for a command's options.")
+    parser = argparse.ArgumentParser(prog="hpctrain", description="Data-parallel PyTorch training on HPC clusters.",
+                                     epilog="Run `hpctrain COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, text) in SUBCOMMANDS.items():

@@ -8,6 +8,7 @@
     hpctrain ckpt clean-local RUN_DIR | --job JOBID     this node's node-local snapshots (a Slurm epilog)
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,12 +35,10 @@ def _rows(directory, found, latest, quick):
     for step, name in sorted(found):
         path = os.path.join(directory, name)
         created, metrics = "?", ""
-        try:
+        with contextlib.suppress(CheckpointError):
             h = read_header(path)
             created = h.root_attrs.get("created", "?")
             metrics = json.dumps(h.metrics, sort_keys=True) if h.metrics else ""
-        except CheckpointError:
-            pass
         problems = [] if quick else verify_file(path)
         # a diverged run's file is complete but worthless: say which
         valid = ("?" if quick else "yes" if not problems else

@@ -1,6 +1,7 @@
 """How ``hpctrain launch`` starts the ranks: the ``mpirun`` and ``srun`` command lines, and one
 launch run to its end with its output passed through and its tail kept to read what failed."""
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -87,12 +88,10 @@ def kill_processes_with(*variables):
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
-        try:
+        with contextlib.suppress(OSError):  # gone, or not ours to read
             with open(f"/proc/{name}/environ", "rb") as f:
                 if wanted <= set(f.read().split(b"\0")):
                     os.kill(int(name), signal.SIGKILL)
-        except OSError:
-            pass  # gone, or not ours to read
 
 
 class StepEnder:
@@ -161,11 +160,9 @@ class _Tee(threading.Thread):
                 self.size -= len(self.tail.popleft())
 
     def _write(self, chunk):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self.out.write(chunk)
             self.out.flush()
-        except (OSError, ValueError):
-            pass
 
     def pass_on(self):
         with self.lock:

@@ -24,6 +24,7 @@ it is said); where it cannot, the supervisor relaunches on the largest rank coun
 what to set. Every restart is a ``restart`` record in ``metrics.jsonl`` (cause, rank, host, ranks before and
 after, steps lost), shown by ``hpctrain report``; a run it gives up on ends with a ``launch_stop`` record."""
 import collections
+import contextlib
 import os
 import shlex
 import shutil
@@ -195,10 +196,8 @@ class Supervisor:
         self.stop_signal = signum
         child = self.child
         if child is not None and child.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 child.send_signal(signal.SIGUSR1 if first else signum)
-            except OSError:
-                pass
 
     def _install_signals(self):
         for name in ("SIGTERM", "SIGINT", "SIGUSR1"):

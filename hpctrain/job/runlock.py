@@ -185,11 +185,9 @@ def _remove_old_claims(directory, reference_path):
     for name in names:
         if name.startswith(LOCK_NAME + CLAIM_MARK):
             claim = os.path.join(directory, name)
-            try:
+            with contextlib.suppress(OSError):
                 if now - os.stat(claim).st_mtime > CLAIM_KEEP:
                     os.unlink(claim)
-            except OSError:
-                pass
 
 
 def _lock_one(directory, me, kind):

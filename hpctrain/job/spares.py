@@ -13,6 +13,7 @@ does not match the relaunch (other ranks or nodes) is ended and the relaunch sta
 about the memory of the ranks before their model is built; each set says what it holds once it is up.
 Under ``srun`` a set is a step of the allocation beside the running one (``--overlap``), its ranks told
 their call through the environment srun passes on, as mpirun's are with ``-x``."""
+import contextlib
 import json
 import os
 import shutil
@@ -36,15 +37,11 @@ GIVE_UP_AFTER = 3  # sets in a row that end before being called: spares are then
 def _warm_imports():
     # What a rank would otherwise import after the call: torch's compiler front end, which the first
     # optimizer step imports (about 0.9 s here), and Horovod's torch module (not started: its idle thread spins).
-    try:
+    with contextlib.suppress(ImportError):
         import torch._dynamo  # noqa: F401
-    except ImportError:
-        pass
     from ..backends import horovod_backend
-    try:
+    with contextlib.suppress(BackendUnavailable):  # the mpi backend, or a broken build: said when it is chosen
         horovod_backend.import_horovod()
-    except BackendUnavailable:
-        pass  # the mpi backend, or a broken build: said when the backend is chosen, not here
 
 
 def _resident_bytes():
@@ -177,9 +174,7 @@ class Spares:
         self.count, self.env, self.command, self.say, self.max_bytes = count, env, command, say, max_bytes
         self.over = False  # a set held more than max_bytes: no more sets
         self.folder = os.path.join(run_dir, ".spares")
-        self.current = None
-        self.made = 0
-        self.ended_early = 0
+        self.current, self.made, self.ended_early = None, 0, 0
         self._lock = threading.Lock()
         self._watch = None
         self._stop_watching = threading.Event()

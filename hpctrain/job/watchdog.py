@@ -131,12 +131,9 @@ class Watchdog:
     def _run(self):
         with self._cond:
             while not self._closed:
-                if self._deadline is None:
-                    self._cond.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is None or left > 0:
+                    self._cond.wait(left)  # None: until armed or closed
                     continue
                 label, seconds = self._label, self._armed_for
                 break
@@ -162,15 +159,13 @@ class Watchdog:
     def _expire(self, label, seconds):
         stream = self.stream or sys.stderr
         section = "step" if label is None else (f"step {label}" if isinstance(label, int) else str(label))
-        try:
+        with contextlib.suppress(Exception):  # a broken stream must not keep the job alive
             stream.write(
                 f"hpctrain: watchdog: {self._describe()}: {section} still running after {seconds:g} s "
                 f"(pid {os.getpid()}); stacks of all threads follow, then the job is aborted\n")
             stream.flush()
             faulthandler.dump_traceback(file=stream, all_threads=True)
             stream.flush()
-        except Exception:  # a broken stream must not keep the job alive
-            pass
         _record_hang(self._comm, label, seconds)
         time.sleep(self.grace)
         comm = self._comm()
@@ -185,10 +180,8 @@ def _record_hang(get_comm, label, seconds):
     from ..runtime.coordination import record
 
     step = label if isinstance(label, int) else None
-    try:
+    with contextlib.suppress(Exception):  # the abort comes first
         comm = get_comm()
         record("hang", rank=comm.Get_rank() if comm is not None else 0, host=node_name(), status=EXIT_HUNG,
                error="Hang", message=f"{'step' if step is not None else label} still running after {seconds:g} s",
                step=step, phase="step" if step is not None or label is None else str(label))
-    except Exception:  # noqa: BLE001 - the abort comes first
-        pass

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -51,8 +52,6 @@ def _pack(exc, rank):
     """(exception, text) that survives pickling to the other ranks."""
     text = _describe(rank, exc)
     try:
-        import pickle
-
         pickle.loads(pickle.dumps(exc))
         return (exc, text)
     except Exception:  # unpicklable exception: send its text
@@ -207,7 +206,7 @@ def record(kind, *, rank, host=None, status, error=None, message=None, step=None
     entry = {"kind": kind, "rank": rank, "host": host or node_name(), "status": status,
              "error": error, "message": None if message is None else str(message)[:2000], "step": step,
              "phase": phase, "collective": bool(collective), "pid": os.getpid(), "timestamp": time.time()}
-    try:
+    with contextlib.suppress(Exception):  # the abort comes first
         line = (json.dumps(entry, default=str) + "\n").encode(errors="replace")
         # One write with O_APPEND: lines of ranks that fail together do not interleave.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -216,8 +215,6 @@ def record(kind, *, rank, host=None, status, error=None, message=None, step=None
             os.fsync(fd)
         finally:
             os.close(fd)
-    except Exception:  # noqa: BLE001 - the abort comes first
-        pass
 
 
 def read_records(path, offset=0):

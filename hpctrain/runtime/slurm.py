@@ -4,6 +4,7 @@ hangs answers "unsure" (``None``), never a guess. Who asks: :mod:`.world` (is th
 step), :mod:`hpctrain.job.runlock` (is the job or step that holds a lock still running),
 :mod:`hpctrain.job.preemption` (requeue this job), :mod:`hpctrain.job.relaunch` (the allocation's nodes, and
 which stopped answering), :mod:`hpctrain.job.standby` (the nodes a job holds, where a node's slurmd listens)."""
+import contextlib
 import ctypes
 import os
 import re
@@ -22,10 +23,8 @@ def first_int(env, *names):
     for name in names:
         value = env.get(name)
         if value not in (None, ""):
-            try:
+            with contextlib.suppress(ValueError):
                 return int(value.split("(")[0])  # SLURM_NTASKS may read "4(x2)"
-            except ValueError:
-                pass
     return None
 
 

@@ -175,10 +175,9 @@ def init_world(comm=None, pin=True, check=True):
 
     comm = MPI.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
-    if check:
-        problems = launch_problems(info, rank, size) if comm == MPI.COMM_WORLD else []
-        if problems:
-            raise LaunchError("\n".join(problems))
+    problems = launch_problems(info, rank, size) if check and comm == MPI.COMM_WORLD else []
+    if problems:
+        raise LaunchError("\n".join(problems))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
