@@ -199,12 +199,6 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 child.send_signal(signal.SIGUSR1 if first else signum)
 
-    def _install_signals(self):
-        for name in ("SIGTERM", "SIGINT", "SIGUSR1"):
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                signal.signal(sig, self._forward)
-
     def command(self, ranks, relaunch, spare=False):
         """The launcher's command line for ``ranks`` ranks, without the excluded nodes (``spare``: for a
         warm spare set, which mpirun tells where its call comes from; srun passes the environment on)."""
@@ -243,7 +237,8 @@ class Supervisor:
 
     def _supervise(self):
         p = self.plan
-        self._install_signals()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, self._forward)
         ranks, restarts = p.ranks, 0
         bound = f"at most {p.spares_memory:g} MiB (--spares-memory)" if p.spares_memory else \
             "not bounded (--spares-memory MiB bounds it)"
@@ -329,8 +324,7 @@ def lost_node(p, failed, hosts, job_id):
     node = lost[0]
     say(f"{failed.describe()}; Slurm reports node {node} not responding")
     # Until the node is down or out of the job, a new step waits ("Requested nodes are busy"), then fails.
-    started = time.monotonic()
-    said = None
+    started, said = time.monotonic(), None
     while not (state := slurm.node_state(node)).startswith(slurm.DOWN_STATES) and not slurm.left_allocation(node,
                                                                                                           job_id):
         if state and not state.endswith("*"):  # it answers Slurm again: slow for a while (a loaded node), not lost
@@ -390,8 +384,7 @@ def fitting_ranks(p, most):
 
 def restart_record(p, n, failed, before, after, attempt, why):
     """``(line to say, metrics.jsonl record)`` of the ``n``-th restart."""
-    steps = [r["step"] for r in attempt.metrics if isinstance(r.get("step"), int)]
-    failed_step = max(steps, default=None)
+    failed_step = max((r["step"] for r in attempt.metrics if isinstance(r.get("step"), int)), default=None)
     if failed.step is not None:  # a hang names the step in progress
         failed_step = max(failed_step or 0, failed.step - 1)
     resume = newest_step(p.checkpoint_dir)
