@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..checkpoint.content import format as fmt
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HpctrainError
 
 
 def _checkpoint_dir(path):
@@ -125,9 +125,7 @@ def cmd_verify(args):
 
     problems = verify_file(args.file)
     if problems:
-        print(f"{args.file}: INVALID", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+        print(f"{args.file}: INVALID", *(f"  {p}" for p in problems), sep="\n", file=sys.stderr)
         return 1
     print(f"{args.file}: ok")
     return 0
@@ -212,7 +210,6 @@ def _export_pretrained(path, sd, out):
     from ..checkpoint.io.reader import read_header
     from ..config import TrainConfig
     from ..config.usercode import make_importable
-    from ..errors import HpctrainError
     from ..models.huggingface import save_pretrained
 
     recorded = fmt.from_json(read_header(path).root_attrs.get("run_config", "{}"), "/ run_config")

@@ -52,8 +52,7 @@ def _version(dist):
 
 
 def check_python():
-    ok = sys.version_info >= (3, 9)
-    return Check("python", ok, f"{platform.python_version()} ({sys.executable})",
+    return Check("python", sys.version_info >= (3, 9), f"{platform.python_version()} ({sys.executable})",
                  "use Python >= 3.9 (module load python/3.11)")
 
 
@@ -148,9 +147,8 @@ def check_launch(comm):
     info = launch_info()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     problems = launch_problems(info, rank, size)
-    detail = f"{info.launcher}, rank {rank} of {size}"
-    if info.slurm_job_id:
-        detail += f", Slurm job {info.slurm_job_id}"
+    job = f", Slurm job {info.slurm_job_id}" if info.slurm_job_id else ""
+    detail = f"{info.launcher}, rank {rank} of {size}{job}"
     if problems:
         text, _, hint = problems[0].partition("\nHINT: ")
         return Check("launcher", False, f"{detail}: {text}", hint), info, rank, size
@@ -187,11 +185,10 @@ def check_stack(record):
     if not problems:
         return Check("stack", True, f"MPI and modules as at install time ({record.mpi_version_line}, {path})")
     required = [p for p in problems if p.required]
-    first = (required or problems)[0]
     detail = "; ".join(p.text for p in problems)
     if required:
         detail += " (mpi4py, h5py and Horovod not loaded: they would fail inside MPI start-up)"
-    return Check("stack", False, detail, first.fix, required=bool(required))
+    return Check("stack", False, detail, (required or problems)[0].fix, required=bool(required))
 
 
 def check_checkpoint_io(directory, mpi_ok):
