@@ -140,8 +140,7 @@ def diagnose(returncode, records=(), events=(), hosts=None):
         return Failure(cause, status, restartable, first.get("rank"), first.get("host"), error=first.get("error"),
                        message=first.get("message"), step=first.get("step"), source="record")
     status = returncode if 0 < returncode < 128 else EXIT_OTHER
-    rank = host = None
-    source = "exit status"
+    rank, host, source = None, None, "exit status"
     if events:
         e = events[0]
         rank, host, source = e["rank"], e["host"] or _host(e["rank"], hosts), e["source"]

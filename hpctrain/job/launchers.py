@@ -140,8 +140,7 @@ class _Tee(threading.Thread):
     def __init__(self, pipe, out, passing=True, watch=None):
         super().__init__(daemon=True)
         self.pipe, self.out, self.tail = pipe, out, collections.deque()
-        self.size = 0
-        self.passing, self.held = passing, []
+        self.size, self.passing, self.held = 0, passing, []
         self.lock = threading.Lock()
         self.watch = watch  # told every chunk read
 

@@ -97,9 +97,7 @@ def stale_reason(holder, me):
     pid, host, job = holder.get("pid"), holder.get("host"), holder.get("slurm_job")
     if host == me.get("host") and pid is not None:
         # On this host the process table is the truth, whatever Slurm job it belongs to.
-        if _pid_alive(pid, holder.get("proc_start")):
-            return None
-        return f"process {pid} on {host} no longer exists"
+        return None if _pid_alive(pid, holder.get("proc_start")) else f"process {pid} on {host} no longer exists"
     if job and job == me.get("slurm_job"):
         if "slurm_step" not in holder:  # written by an older hpctrain: assume requeued, as it did
             return f"same Slurm job {job} (requeued or restarted)"

@@ -125,8 +125,7 @@ class SpareSet:
     """One started set: its launcher process, the command it was started with, and the file that calls it."""
 
     def __init__(self, cmd, env, call):
-        self.cmd, self.call, self.said = cmd, call, False
-        self.started = time.monotonic()
+        self.cmd, self.call, self.said, self.started = cmd, call, False, time.monotonic()
         self.launch = Launch(cmd, dict(env, **{settings.name("SPARE_CALL"): call}), quiet=True)
 
     @property

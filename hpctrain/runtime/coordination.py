@@ -165,8 +165,7 @@ def abort_on_exception(comm, where=None):
     try:
         yield
     except BaseException as exc:  # noqa: B902 - we end the job on anything
-        rank = comm.Get_rank() if comm is not None else 0
-        size = comm.Get_size() if comm is not None else 1
+        rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
         host = where or node_name()
         collective = getattr(exc, "collective", False) or size == 1
         _record_failure(exc, rank, host, collective)
@@ -227,10 +226,6 @@ def read_records(path, offset=0):
         return []
     records = []
     for line in data.decode(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict):
-            records.append(entry)
-    return records
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return [r for r in records if isinstance(r, dict)]

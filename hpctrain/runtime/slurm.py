@@ -62,9 +62,7 @@ def job_id(environ=None):
     (requeueing the bare job id would requeue the whole array), else the job id, or ``None`` outside Slurm."""
     env = os.environ if environ is None else environ
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return env.get("SLURM_JOB_ID") or None
+    return f"{array_job}_{array_task}" if array_job and array_task else env.get("SLURM_JOB_ID") or None
 
 
 def step_of(environ=None):
