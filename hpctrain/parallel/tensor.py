@@ -29,9 +29,7 @@ _REDUCIBLE = (torch.float32, torch.float64)
 
 def _host(t):
     """A contiguous CPU copy of ``t`` in a dtype MPI can sum (numpy has no bfloat16)."""
-    work = t.detach()
-    if work.dtype not in _REDUCIBLE:
-        work = work.float()
+    work = t.detach() if t.dtype in _REDUCIBLE else t.detach().float()
     # Always a private copy: MPI writes into it in place.
     return work.to("cpu", copy=True).contiguous()
 
@@ -116,20 +114,8 @@ class _ScatterToTP(torch.autograd.Function):
         return allgather_last(grad, ctx.comm), None
 
 
-def copy_to_tp(x, comm):
-    return _CopyToTP.apply(x, comm)
-
-
-def reduce_from_tp(x, comm):
-    return _ReduceFromTP.apply(x, comm)
-
-
-def gather_from_tp(x, comm):
-    return _GatherFromTP.apply(x, comm)
-
-
-def scatter_to_tp(x, comm):
-    return _ScatterToTP.apply(x, comm)
+copy_to_tp, reduce_from_tp = _CopyToTP.apply, _ReduceFromTP.apply
+gather_from_tp, scatter_to_tp = _GatherFromTP.apply, _ScatterToTP.apply
 
 
 # ---------------------------------------------------------------- layers
@@ -149,9 +135,7 @@ class _TensorParallel(nn.Module):
     tp_shards = {}
 
     def _init_comm(self, comm):
-        self.comm = comm
-        self.tp_size = comm.Get_size()
-        self.tp_rank = comm.Get_rank()
+        self.comm, self.tp_size, self.tp_rank = comm, comm.Get_size(), comm.Get_rank()
 
     def extra_repr(self):
         return f"tensor rank {self.tp_rank} of {self.tp_size}"
@@ -253,9 +237,7 @@ class ParallelSelfAttention(SelfAttention):
     def forward(self, x):
         # One backward all-reduce for x's gradient instead of one per projection.
         x = copy_to_tp(x, self.comm)
-        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
-        k = F.linear(x, self.k_proj.weight, self.k_proj.bias)
-        v = F.linear(x, self.v_proj.weight, self.v_proj.bias)
+        q, k, v = (F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
         return self.out_proj(self._attend(q, k, v, self.local_heads))
 
 
