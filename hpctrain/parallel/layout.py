@@ -52,10 +52,7 @@ class Layout:
 
 def coordinates(rank, layout):
     """``(replica, stage, tensor_rank)`` of ``rank`` (pure)."""
-    t = rank % layout.tensor
-    s = (rank // layout.tensor) % layout.stages
-    r = rank // (layout.tensor * layout.stages)
-    return r, s, t
+    return rank // (layout.tensor * layout.stages), (rank // layout.tensor) % layout.stages, rank % layout.tensor
 
 
 def rank_of(replica, stage, tensor_rank, layout):

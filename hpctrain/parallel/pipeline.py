@@ -14,6 +14,7 @@ Both give one process's whole-batch gradients (up to summation order) when the l
     loss = pipe.train_step(x, y)      # x read on the first stage, y on the last; None elsewhere is fine
     opt.step(); opt.zero_grad()
 """
+import itertools
 import time
 from collections import OrderedDict
 
@@ -42,9 +43,7 @@ def partition(weights, parts):
     if parts > n:
         raise ConfigError(f"cannot split {n} layer(s) into {parts} pipeline stages: a stage needs at least one layer",
                           hint=f"use at most {n} stages (parallel.stages), or give the model more layers")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
+    prefix = list(itertools.accumulate(map(float, weights), initial=0.0))
     worst = (float("inf"), float("inf"))
     # best[k][i]: (largest stage, sum of squares) when the first i layers form k stages; the
     # sum of squares only breaks ties, towards evenly filled stages.
@@ -72,11 +71,7 @@ def bounds_from_counts(counts, n):
         raise ConfigError(f"pipeline balance {list(counts)} does not give every stage at least one of the "
                           f"model's {n} layers (it sums to {sum(counts)})",
                           hint=f"give {len(counts)} positive counts that sum to {n}, or balance='params'")
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c))
-        start += c
-    return bounds
+    return [(stop - c, stop) for c, stop in zip(counts, itertools.accumulate(counts))]
 
 
 def schedule_ops(kind, stage, stages, micro_batches):
@@ -207,17 +202,11 @@ class Pipeline:
     ``grid.tp_comm`` (:func:`~.tensor.tensor_parallelize`). ``module`` is this stage's ``nn.Sequential``; its
     parameter names are the full model's."""
 
-    def __init__(self, model, grid, loss_fn=None, micro_batches=1, schedule="1f1b", balance="params",
-                 sample=None):
+    def __init__(self, model, grid, loss_fn=None, micro_batches=1, schedule="1f1b", balance="params", sample=None):
         from ..runtime.coordination import all_or_none
 
-        self.grid = grid
-        self.link = StageLink(grid.pp_comm)
-        self.stages = grid.layout.stages
-        self.stage = grid.stage
-        self.loss_fn = loss_fn
-        self.micro_batches = micro_batches
-        self.schedule = schedule
+        self.grid, self.link, self.stages, self.stage = grid, StageLink(grid.pp_comm), grid.layout.stages, grid.stage
+        self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, schedule
         stack = model if isinstance(model, LayerStack) else None
         named = [(name, None) for name in stack.names] if stack is not None else layer_list(model)
         self.bounds = all_or_none(
