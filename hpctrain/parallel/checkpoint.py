@@ -66,8 +66,7 @@ def held_tensors(module, opt_tensors=()):
         # anything else (Adam's step counter) is the same on every tensor rank.
         same = tuple(value.shape) == tuple(params[pname].shape)
         shape, region = _placement(tuple(value.shape), shards.get(pname) if same else None)
-        out.append(Held(snapshot.optimizer_state_path(pname, key), value, shape, region,
-                        snapshot.dtype_name(value)))
+        out.append(Held(snapshot.optimizer_state_path(pname, key), value, shape, region, snapshot.dtype_name(value)))
     return out
 
 
@@ -148,12 +147,9 @@ def _merged_optimizer(grid, descriptions):
     return merged
 
 
-def layout_attr(grid, pipeline_bounds=None):
+def layout_attr(grid):
     layout = grid.layout
-    info = {"stages": layout.stages, "replicas": layout.replicas, "tensor": layout.tensor}
-    if pipeline_bounds is not None:
-        info["bounds"] = [list(b) for b in pipeline_bounds]
-    return fmt.to_json(info)
+    return fmt.to_json({"stages": layout.stages, "replicas": layout.replicas, "tensor": layout.tensor})
 
 
 def _plan(module, optimizer, grid, progress, info):
@@ -242,11 +238,8 @@ def _wanted_state(module, header):
         prefix = f"{fmt.OPT_STATE}/{fmt.param_key(pname)}/"
         for p, (shape, _, attrs) in sorted(header.datasets.items()):
             if p.startswith(prefix) and "/" not in p[len(prefix):]:
-                if tuple(shape) == gshape:
-                    h = Held(p, param, gshape, region, attrs[fmt.DTYPE_ATTR])
-                else:
-                    h = Held(p, None, tuple(shape), tuple((0, n) for n in shape), attrs[fmt.DTYPE_ATTR])
-                out.append(h)
+                placed = (param, gshape, region) if tuple(shape) == gshape else (None, shape, [(0, n) for n in shape])
+                out.append(Held(p, *placed, attrs[fmt.DTYPE_ATTR]))
     return out
 
 
