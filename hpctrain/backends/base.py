@@ -18,8 +18,7 @@ class Backend:
     name = "base"
 
     def __init__(self, world, compression="none", gradient_predivide_factor=1.0):
-        self.world = world
-        self.compression = compression
+        self.world, self.compression = world, compression
         self.gradient_predivide_factor = float(gradient_predivide_factor)
 
     @property

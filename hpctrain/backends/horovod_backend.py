@@ -59,8 +59,7 @@ def build_info():
         "tensor_operations": [n for n, f in (("NCCL", hvd.nccl_built), ("DDL", hvd.ddl_built),
                                              ("CCL", hvd.ccl_built), ("MPI", hvd.mpi_built),
                                              ("Gloo", hvd.gloo_built)) if f()],
-        "cuda": bool(hvd.cuda_built()),
-        "nccl": bool(hvd.nccl_built()),
+        "cuda": bool(hvd.cuda_built()), "nccl": bool(hvd.nccl_built()),
     }
 
 
@@ -184,8 +183,7 @@ class HorovodBackend(Backend):
         self.hvd.start_timeline(path, mark_cycles=False)
 
     def close(self):
-        # Horovod shuts down at exit; shutting down here would break a second Trainer in the same process.
-        pass
+        """Nothing: Horovod shuts down at exit; shutting down here would break a second Trainer in the same process."""
 
     # ---- averaging of flat buffers (comm.mode local_sgd and stale)
     def start_average(self, flat, compress=True, name=None):
@@ -195,8 +193,7 @@ class HorovodBackend(Backend):
         cast = compress and self.compression == "fp16" and flat.dtype.is_floating_point and flat.dtype != torch.float16
         wire = flat.to(torch.float16) if cast else flat
         # Averaged by Horovod's background thread: it travels while this rank computes.
-        handle = hvd.allreduce_async_(wire, op=hvd.Average, name=name)
-        return handle, wire, flat
+        return hvd.allreduce_async_(wire, op=hvd.Average, name=name), wire, flat
 
     def wait_average(self, handle):
         handle, wire, flat = handle
@@ -204,7 +201,6 @@ class HorovodBackend(Backend):
         if wire is not flat:
             flat.copy_(wire)
         return flat
-
 
     # ---- sharded training (comm.shard, hpctrain.training.sharding)
     # hvd.reducescatter splits dimension 0 into near-equal parts of its own choosing: each rank's part travels

@@ -118,14 +118,8 @@ class MPIBackend(Backend):
         return optimizer
 
     def broadcast_state(self, model, optimizer, root=0):
-        import torch
-
         for tensor in model.state_dict().values():
-            host = tensor.detach().cpu().contiguous()  # the same memory when already so
-            # As raw bytes: numpy has no bfloat16, and MPI need not know the type to copy it.
-            self.comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root)
-            if host.data_ptr() != tensor.data_ptr():
-                tensor.detach().copy_(host)
+            self.broadcast_tensor(tensor, root)
         state = self.comm.bcast(optimizer.state_dict() if self.rank == root else None, root=root)
         if self.rank != root:
             optimizer.load_state_dict(state)
@@ -217,8 +211,7 @@ class MPIBackend(Backend):
         out = torch.empty(counts[self.rank], dtype=host.dtype)
         op, send, receive = self._fp16(host, out) if fp16 else (MPI.SUM, host.numpy(), out.numpy())
         self.comm.Reduce_scatter(send, receive, recvcounts=list(counts), op=op)
-        out = out.to(device=flat.device, dtype=flat.dtype)
-        return out.div_(self.size / f)
+        return out.to(device=flat.device, dtype=flat.dtype).div_(self.size / f)
 
     def allgather_flat(self, flat, counts):
         # The parameters' flat buffer is float32 (hpctrain.training.sharding checks it).
@@ -227,7 +220,8 @@ class MPIBackend(Backend):
     def broadcast_tensor(self, tensor, root=0):
         import torch
 
-        host = tensor.detach().cpu().contiguous()
+        host = tensor.detach().cpu().contiguous()  # the same memory when already so
+        # As raw bytes: numpy has no bfloat16, and MPI need not know the type to copy it.
         self.comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root)
         if host.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(host)
