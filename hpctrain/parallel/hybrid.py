@@ -49,11 +49,9 @@ class ReplicaBackend(Backend):
         check_choice("comm.backend", name, BACKENDS)
         world = sub_world(grid.comm)
         super().__init__(world, compression, gradient_predivide_factor)
-        self.grid = grid
-        self.name = name
-        # Backward passes that reach each parameter per step: one per pipeline micro-batch
+        # backward_passes: the backward passes that reach each parameter per step, one per pipeline micro-batch
         # (Horovod starts its all-reduce after the last of them).
-        self.backward_passes = backward_passes
+        self.grid, self.name, self.backward_passes = grid, name, backward_passes
         self._group_mpi = MPIBackend(sub_world(grid.dp_comm), compression, gradient_predivide_factor)
         self._world_mpi = MPIBackend(world)
         # One replica: nothing to average, so no Horovod process sets either.

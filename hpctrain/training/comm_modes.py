@@ -103,8 +103,7 @@ class Stale(SelfAveraging):
         if self._ready is None:
             return {}
         params = self._grads()
-        return {f"pending_gradient/{self._names[id(p)]}": chunk
-                for p, chunk in zip(params, views(self._ready, params))}
+        return {f"pending_gradient/{self._names[id(p)]}": chunk for p, chunk in zip(params, views(self._ready, params))}
 
     def restore_tensors(self, tensors):
         import torch

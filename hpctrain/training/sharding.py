@@ -145,17 +145,15 @@ class ShardGradients:
         self._in_flight = []  # (bucket, handle) started and not yet waited for, oldest first
         self.grad_flat = None
         self.zero_grad()  # the rest as between two steps: no bucket started, no buffer of stage 2
-        for p in params:  # a model trained again (a second fit) must not feed the last optimizer
-            if getattr(p, "_hpctrain_shard_hook", None) is not None:
-                p._hpctrain_shard_hook.remove()
-                p._hpctrain_shard_hook = None
         if stage == "optimizer":  # stage 1: gradients accumulate in place into one kept buffer
             self.grad_flat = self._zeros(self.numel)
             for p, view in zip(params, views(self.grad_flat, params)):
                 p.grad = view
+        hooked = stage == "gradients" or reduction == "allreduce"
         for i, p in enumerate(params):
-            if stage == "gradients" or reduction == "allreduce":
-                p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i))
+            if getattr(p, "_hpctrain_shard_hook", None) is not None:  # a model trained again (a second fit)
+                p._hpctrain_shard_hook.remove()  # must not feed the last optimizer
+            p._hpctrain_shard_hook = p.register_post_accumulate_grad_hook(self._on_grad(i)) if hooked else None
 
     def _on_grad(self, i):
         """The hook run when parameter ``i``'s gradient of a backward pass is complete. Stage 2: add it into a
@@ -394,10 +392,8 @@ class ShardedOptimizer:
 
     def group_names(self):
         """The parameter names of each group, in the optimizer's order."""
-        groups = [[] for _ in self.shards]
-        for g, name in zip(self.group_of, self.param_names()):
-            groups[g].append(name)
-        return groups
+        named = list(zip(self.group_of, self.param_names()))
+        return [[name for g, name in named if g == group] for group in range(len(self.shards))]
 
     def layout(self):
         """``[(name, shape, pieces)]`` per parameter, pieces as :func:`pieces_of` gives them."""

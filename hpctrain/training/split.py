@@ -96,8 +96,7 @@ class SplitSteps(DataParallelSteps):
                                                                  "data-parallel (no [parallel] section)")
         x, y = batch
         device = self.world.device
-        return (x.to(device, non_blocking=True) if first else None,
-                y.to(device, non_blocking=True) if last else None)
+        return (x.to(device, non_blocking=True) if first else None, y.to(device, non_blocking=True) if last else None)
 
     def forward_backward(self, run, indices, count):
         """The pipeline's forward and backward passes over this replica's batch; its mean loss."""
