@@ -71,8 +71,7 @@ class Stale(SelfAveraging):
             ready, self._ready = self._ready, None
             return ready
         if self._inflight is not None:
-            handle, flat = self._inflight
-            self._inflight = None
+            (handle, flat), self._inflight = self._inflight, None
             self.backend.wait_average(handle)
             return flat
         return None

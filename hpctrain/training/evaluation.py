@@ -34,13 +34,11 @@ def score_batch(output, target, loss_fn, metrics_fn=None, loss=None, samples=Non
         return scores
     if target is not None and hasattr(target, "dtype") and not target.dtype.is_floating_point:
         scored = target != IGNORE
-        if output.dim() == 2 and target.dim() == 1:
-            scores["accuracy"] = (float(((output.argmax(dim=1) == target) & scored).sum()), int(scored.sum()))
-        elif output.dim() == 3 and target.dim() == 2 and output.shape[:2] == target.shape:
+        dims = (output.dim(), target.dim())
+        if dims == (2, 1) or dims == (3, 2) and output.shape[:2] == target.shape:
             scores["accuracy"] = (float(((output.argmax(dim=-1) == target) & scored).sum()), int(scored.sum()))
     if metrics_fn is not None:
-        for name, value in _user_scores(metrics_fn(output, target), n).items():
-            scores[name] = value
+        scores.update(_user_scores(metrics_fn(output, target), n))
     return scores
 
 

@@ -190,13 +190,8 @@ class LocalSGD(SelfAveraging):
 
     def _optimizer_state(self):
         state = self.optimizer.state
-        out = []
-        for p in self._params:
-            for key in sorted(state.get(p, {})):
-                value = state[p][key]
-                if hasattr(value, "is_floating_point") and value.is_floating_point():
-                    out.append(value)
-        return out
+        return [value for p in self._params for _, value in sorted(state.get(p, {}).items())
+                if hasattr(value, "is_floating_point") and value.is_floating_point()]
 
     def _average(self, after):
         import torch

@@ -51,8 +51,7 @@ def stop_message(step, tensor, t, event):
            "rollback": f"{event['rollbacks']} rollbacks already, train.max_rollbacks = {t.max_rollbacks}",
            "auto": f"{event['consecutive']} consecutive non-finite steps and {event['rollbacks']} rollbacks "
                    f"(train.max_rollbacks = {t.max_rollbacks})"}[t.on_nonfinite]
-    if event.get("why"):
-        why = event["why"]
+    why = event.get("why") or why
     return (f"training stopped at step {step}: the averaged gradients are not finite; first non-finite "
             f"gradient: {tensor}; {why}. The update of step {step} was not applied")
 

@@ -108,11 +108,11 @@ class DataParallelSteps:
     def _first_forward_backward(self, run, indices, count):
         """The first micro-batch; where ``train.compile`` fails to compile the model, it goes on eager."""
         model = run.state.model
-        if not recipes.is_compiled(model):
-            return self._forward_backward(run, indices, count)
         try:
             return self._forward_backward(run, indices, count)
         except Exception as exc:
+            if not recipes.is_compiled(model):
+                raise
             recipes.uncompile(model)
             model.zero_grad(set_to_none=True)
             run.log(recipes.compile_failed(type(model).__name__, exc))
