@@ -8,25 +8,14 @@ sub-communicators (``docs/parallelism.md``). Names load on first use, so importi
 import importlib
 
 _EXPORTS = {
-    "Layout": "layout",
-    "ReplicaBackend": "hybrid",
-    "ProcessGrid": "layout",
-    "Pipeline": "pipeline",
-    "partition": "pipeline",
-    "schedule_ops": "pipeline",
-    "ColumnParallelLinear": "tensor",
-    "RowParallelLinear": "tensor",
-    "ParallelMLP": "tensor",
+    "Layout": "layout", "ReplicaBackend": "hybrid", "ProcessGrid": "layout",
+    "Pipeline": "pipeline", "partition": "pipeline", "schedule_ops": "pipeline",
+    "ColumnParallelLinear": "tensor", "RowParallelLinear": "tensor", "ParallelMLP": "tensor",
     # the dense parts a split model is made of (hpctrain.models), offered here beside their split versions
-    "LayerStack": "hpctrain.models.stack",
-    "MLPBlock": "hpctrain.models.blocks",
-    "SelfAttention": "hpctrain.models.blocks",
-    "ParallelSelfAttention": "tensor",
-    "tensor_parallelize": "tensor",
+    "LayerStack": "hpctrain.models.stack", "MLPBlock": "hpctrain.models.blocks",
+    "SelfAttention": "hpctrain.models.blocks", "ParallelSelfAttention": "tensor", "tensor_parallelize": "tensor",
     "HybridParallel": "hybrid",
-    "save_parallel_checkpoint": "checkpoint",
-    "load_parallel_checkpoint": "checkpoint",
-    "gather_state": "checkpoint",
+    "save_parallel_checkpoint": "checkpoint", "load_parallel_checkpoint": "checkpoint", "gather_state": "checkpoint",
 }
 
 __all__ = list(_EXPORTS)
