@@ -51,8 +51,7 @@ _COMPRESSORS = {"none": NoneCompressor, "fp16": FP16Compressor}
 
 def get_compressor(name):
     """The compressor called ``name`` (``none`` or ``fp16``)."""
-    try:
-        return _COMPRESSORS[name]
-    except KeyError:
+    if name not in _COMPRESSORS:
         raise ConfigError(f"unknown compression {name!r}; expected one of {', '.join(COMPRESSIONS)}",
-                          hint='set comm.compression = "none" or "fp16"') from None
+                          hint='set comm.compression = "none" or "fp16"')
+    return _COMPRESSORS[name]

@@ -103,8 +103,7 @@ class MPIBackend(Backend):
         super().__init__(world, compression, gradient_predivide_factor)
         from mpi4py import MPI
 
-        self.MPI = MPI
-        self.comm = world.comm
+        self.MPI, self.comm = MPI, world.comm
         self.compressor = get_compressor(compression)
         self._fp16_op = None
         self._gradients = _GradientBuckets([], FUSION_BYTES)

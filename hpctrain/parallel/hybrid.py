@@ -35,13 +35,12 @@ def replica_groups(layout):
 
 
 class ReplicaBackend(Backend):
-    """The backend of a split model: gradients averaged among the replicas of each stage (and tensor rank),
-    small collectives (``allreduce_mean``, ...) over the whole grid, so a trainer can use it like a
-    data-parallel backend. ``name="horovod"``: one Horovod process set per stage and tensor rank, registered
-    on every rank (:class:`~hpctrain.backends.horovod_backend.HorovodProcessSetBackend`), the all-reduce
-    overlapping the backward pass; ``"mpi"``: the mpi4py backend (:mod:`hpctrain.backends.mpi_backend`) over
-    ``grid.dp_comm``, with its fused buffers. Both take ``compression="fp16"``. Broadcasts go over
-    ``grid.dp_comm`` either way."""
+    """The backend of a split model: gradients averaged among the replicas of each stage (and tensor rank), small
+    collectives (``allreduce_mean``, ...) over the whole grid, so a trainer can use it like a data-parallel backend.
+    ``name="horovod"``: one Horovod process set per stage and tensor rank, registered on every rank
+    (:class:`~hpctrain.backends.horovod_backend.HorovodProcessSetBackend`), the all-reduce overlapping the backward
+    pass; ``"mpi"``: the mpi4py backend (:mod:`hpctrain.backends.mpi_backend`) over ``grid.dp_comm``, with its fused
+    buffers. Both take ``compression="fp16"``. Broadcasts go over ``grid.dp_comm`` either way."""
 
     def __init__(self, grid, name="mpi", compression="none", gradient_predivide_factor=1.0, backward_passes=1):
         from ..backends.mpi_backend import MPIBackend
@@ -106,11 +105,10 @@ class ReplicaBackend(Backend):
 
 
 class HybridParallel:
-    """A model trained as pipeline x data parallel (x tensor parallel): the pieces wired up. ``optimizer``: a
-    function of this stage's parameters returning the optimizer (the same hyperparameters on every rank).
-    ``train_step(x, y)`` takes the *global* batch (the same on every rank, or None where it is not read) and
-    gives replica ``r`` rows ``[r*b, (r+1)*b)`` of it; use :meth:`replica_slice` to load only those rows
-    yourself."""
+    """A model trained as pipeline x data parallel (x tensor parallel): the pieces wired up. ``optimizer``: a function
+    of this stage's parameters returning the optimizer (the same hyperparameters on every rank). ``train_step(x, y)``
+    takes the *global* batch (the same on every rank, or None where it is not read) and gives replica ``r`` rows
+    ``[r*b, (r+1)*b)`` of it; use :meth:`replica_slice` to load only those rows yourself."""
 
     def __init__(self, model, layout, loss_fn, optimizer, micro_batches=1, schedule="1f1b", balance="params",
                  sample=None, compression="none", backend="mpi", comm=None, gradient_predivide_factor=1.0):

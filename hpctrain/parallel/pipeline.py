@@ -102,8 +102,7 @@ def layer_list(model):
 def measure_times(layers, sample, repeats=3):
     """Forward + backward seconds of each layer on ``sample`` (best of ``repeats``). ``layers`` may be a
     generator (:meth:`LayerStack.layers`): each layer is timed, then dropped, so only one is alive at once."""
-    times = []
-    x = sample
+    times, x = [], sample
     for layer in layers:
         best = float("inf")
         for _ in range(repeats):
@@ -155,8 +154,7 @@ class StageLink:
     (dtype code, ndim, sizes). Sends are non-blocking until :meth:`wait_sends`."""
 
     def __init__(self, comm):
-        self.comm = comm
-        self._pending = []
+        self.comm, self._pending = comm, []
 
     def send(self, tensor, dest, tag):
         from mpi4py import MPI

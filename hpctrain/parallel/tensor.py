@@ -134,7 +134,8 @@ class _TensorParallel(nn.Module):
 
     tp_shards = {}
 
-    def _init_comm(self, comm):
+    def __init__(self, comm):
+        super().__init__()
         self.comm, self.tp_size, self.tp_rank = comm, comm.Get_size(), comm.Get_rank()
 
     def extra_repr(self):
@@ -148,8 +149,7 @@ class ColumnParallelLinear(_TensorParallel):
     tp_shards = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features, out_features, comm, bias=True, gather_output=False, dense=None):
-        super().__init__()
-        self._init_comm(comm)
+        super().__init__(comm)
         local = _split(out_features, comm, "the output width of a column-parallel linear layer")
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         # Slice a dense layer seeded alike on every rank: the split model equals the dense one from that seed.
@@ -174,8 +174,7 @@ class RowParallelLinear(_TensorParallel):
     tp_shards = {"weight": 1}
 
     def __init__(self, in_features, out_features, comm, bias=True, input_is_parallel=True, dense=None):
-        super().__init__()
-        self._init_comm(comm)
+        super().__init__(comm)
         local = _split(in_features, comm, "the input width of a row-parallel linear layer")
         self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
         dense = nn.Linear(in_features, out_features, bias=bias) if dense is None else dense

@@ -37,8 +37,7 @@ class OuterOptimizer:
 
         self.nesterov = cfg.outer_optimizer == "nesterov"
         self.mu, self.lr = cfg.outer_momentum, cfg.outer_lr
-        self.tensors, self.names = tensors, names
-        self.anchor = None
+        self.tensors, self.names, self.anchor = tensors, names, None
         self.momentum = ([torch.zeros_like(p, memory_format=torch.contiguous_format) for p in tensors[:len(names)]]
                          if self.nesterov else [])
 

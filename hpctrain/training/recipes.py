@@ -3,9 +3,8 @@
 * ``compile = true``: ``torch.compile`` of the model, in place (``nn.Module.compile``), so its parameter names
   and checkpoints stay the eager model's; where compiling fails, the run says so in one line and goes on eager.
 * ``activation_checkpointing = true``: activations recomputed in the backward pass: the model's own
-  ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before transformers 5) where it
-  has one, else each top-level block
-  (each child module; each member of a top-level ``ModuleList`` or ``Sequential``).
+  ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before transformers 5) where it has one,
+  else each top-level block (each child module; each member of a top-level ``ModuleList`` or ``Sequential``).
 * ``early_stop_patience = N``: :class:`EarlyStop`, after N evaluations in a row that did not improve
   ``checkpoint.best_metric``; its count travels in the checkpoints, so a resumed run counts on.
 """

@@ -116,8 +116,7 @@ class SplitSteps(DataParallelSteps):
         pipe = self.pipeline
         counts = self.grid.is_last_stage and self.grid.tensor_rank == 0
         indices = eval_shard(len(run.val), self.data_rank, self.data_ranks)
-        totals = {}
-        micro = pipe.micro_batches
+        totals, micro = {}, pipe.micro_batches
         pipe.module.eval()
         try:
             for lo in range(0, len(indices), batch_size):
