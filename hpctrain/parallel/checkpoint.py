@@ -35,10 +35,6 @@ class Held:
     def __init__(self, path, tensor, shape, region, dtype):
         self.path, self.tensor, self.shape, self.region, self.dtype = path, tensor, tuple(shape), tuple(region), dtype
 
-    def describe(self):
-        """Picklable description without data."""
-        return (self.path, self.shape, self.dtype, self.region)
-
 
 def _placement(local_shape, shard):
     """Global shape and region of a local tensor split along ``shard = (dim, rank, size)``."""
@@ -77,8 +73,7 @@ def plan_writes(described):
     ``(order, datasets, plan)``: dataset paths in first-seen order; ``{path: (shape, dtype)}``;
     ``{path: [(rank, subregion)]}``, where the ranks holding one region share its rows. Raises CheckpointError
     if the ranks disagree on a tensor or leave part of it uncovered."""
-    order, datasets, holders = [], {}, {}
-    problems = []
+    order, datasets, holders, problems = [], {}, {}, []
     for rank, items in enumerate(described):
         for path, shape, dtype, region in items:
             if path not in datasets:
@@ -113,14 +108,6 @@ def plan_writes(described):
             "the ranks do not hold a consistent split model:\n  " + "\n  ".join(problems[:20]),
             hint="every rank must build the same model with the same layout before saving")
     return order, datasets, plan
-
-
-def _local_slices(held, subregion):
-    """Slices of the local tensor for a sub-region (which differs from its region in dim 0 only)."""
-    if not held.shape:
-        return ()
-    a0 = held.region[0][0]
-    return (slice(subregion[0][0] - a0, subregion[0][1] - a0),)
 
 
 # ---------------------------------------------------------------- saving
@@ -158,7 +145,7 @@ def _plan(module, optimizer, grid, progress, info):
     comm, rank = grid.comm, grid.comm.Get_rank()
     description, opt_tensors = snapshot.optimizer_parts(module, optimizer)
     held = held_tensors(module, opt_tensors)
-    everyone = comm.allgather(([h.describe() for h in held], description))
+    everyone = comm.allgather(([(h.path, h.shape, h.dtype, h.region) for h in held], description))
     (order, shapes, pieces), merged = all_or_none(
         lambda: (plan_writes([d for d, _ in everyone]), _merged_optimizer(grid, [o for _, o in everyone])), comm)
     groups = snapshot.optimizer_attrs(merged)
@@ -172,8 +159,9 @@ def _plan(module, optimizer, grid, progress, info):
             if region is not None:
                 h = mine[path]
                 array, _ = snapshot.tensor_to_array(h.tensor, copy=False)
-                # (0-d arrays stay arrays: indexing one with () would give a numpy scalar)
-                part = np.require(array[_local_slices(h, region)] if h.shape else array, requirements="C")
+                if h.shape:  # its rows of the local tensor (a sub-region differs from its region in dim 0 only)
+                    array = array[region[0][0] - h.region[0][0]:region[0][1] - h.region[0][0]]
+                part = np.require(array, requirements="C")  # (a 0-d array is not indexed: () would give a scalar)
             datasets.append(DatasetPlan(path, shape, np.dtype(fmt.storage_dtype(dtype)),
                                                {fmt.DTYPE_ATTR: dtype}, pieces[path], part))
     for e in snapshot.rng_entries(info["rng"]):  # rank 0's generators, written by rank 0
