@@ -18,12 +18,8 @@ from .sync_mode import SelfAveraging, Sync
 
 def build(comm_cfg, backend, model):
     """The mode object for ``comm_cfg.mode`` (``[comm]`` of the configuration)."""
-    mode = getattr(comm_cfg, "mode", "sync")
-    if mode == "local_sgd":
-        return LocalSGD(backend, model, comm_cfg)
-    if mode == "stale":
-        return Stale(backend, model, comm_cfg)
-    return Sync(backend, model, comm_cfg)
+    mode = {"local_sgd": LocalSGD, "stale": Stale}.get(getattr(comm_cfg, "mode", "sync"), Sync)
+    return mode(backend, model, comm_cfg)
 
 
 class Stale(SelfAveraging):

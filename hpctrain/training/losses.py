@@ -126,8 +126,6 @@ _CALLING = {}
 
 def calling(model):
     """The :class:`Calling` of ``model`` (the module under ``torch.compile``'s wrapper)."""
-    import inspect
-
     inner = getattr(model, "_orig_mod", model)
     # a module is read once per class; a plain function (a model may be any callable) each time
     cls = type(inner) if hasattr(inner, "forward") else inner
@@ -143,10 +141,9 @@ def calling(model):
         positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
         var_keyword = any(p.kind == kinds.VAR_KEYWORD for p in params)
         takes_target = len(positional) >= 2 or any(p.kind == kinds.VAR_POSITIONAL for p in params)
-        hf = is_transformers_model(inner)
         _CALLING[cls] = Calling(getattr(cls, "__name__", type(inner).__name__), named, var_keyword, takes_target,
                                 keywords="input_ids" in named and "labels" in named, shifts_labels=is_causal_lm(inner),
-                                strict=hf)
+                                strict=is_transformers_model(inner))
     return _CALLING[cls]
 
 

@@ -15,11 +15,9 @@ def make_optimizer(model, t, lr):
         return _users_optimizer(model, t, lr)
     params = decay_groups(model, t.weight_decay) if t.weight_decay_on == "matrices" else \
         [p for p in model.parameters() if p.requires_grad]
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    if t.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}.get(t.optimizer, torch.optim.AdamW)
+    extra = {"momentum": t.momentum} if t.optimizer == "sgd" else {}
+    return cls(params, lr=lr, weight_decay=t.weight_decay, **extra)
 
 
 def decay_groups(model, weight_decay):

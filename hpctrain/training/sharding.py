@@ -338,8 +338,7 @@ class ShardedOptimizer:
         """True on every rank if every averaged gradient is finite (one all-reduce of a flag)."""
         import torch
 
-        grad = self.grad
-        ok = grad is None or grad.numel() == 0 or bool(torch.isfinite(grad.pow(2).sum()))
+        ok = self.grad is None or self.grad.numel() == 0 or bool(torch.isfinite(self.grad.pow(2).sum()))
         return self.backend.allreduce_mean(1.0 if ok else 0.0) == 1.0
 
     def first_nonfinite(self):

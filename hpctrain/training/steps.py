@@ -86,11 +86,9 @@ class DataParallelSteps:
 
     def planner(self):
         """Who writes what of a checkpoint (None: the checkpoint manager's data-parallel default)."""
-        return None
 
     def describe(self):
         """A line more for the run's start, or None."""
-        return None
 
     def close(self):
         self.backend.close()
