@@ -44,10 +44,9 @@ def partition(weights, parts):
         raise ConfigError(f"cannot split {n} layer(s) into {parts} pipeline stages: a stage needs at least one layer",
                           hint=f"use at most {n} stages (parallel.stages), or give the model more layers")
     prefix = list(itertools.accumulate(map(float, weights), initial=0.0))
-    worst = (float("inf"), float("inf"))
     # best[k][i]: (largest stage, sum of squares) when the first i layers form k stages; the
     # sum of squares only breaks ties, towards evenly filled stages.
-    best = [[worst] * (n + 1) for _ in range(parts + 1)]
+    best = [[(float("inf"), float("inf"))] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = (0.0, 0.0)
     for k in range(1, parts + 1):
@@ -228,8 +227,7 @@ class Pipeline:
     def _balance_by_time(self, layers, sample):
         from ..runtime.coordination import on_root
 
-        times = measure_times(layers, sample)
-        everyone = self.grid.comm.gather(times, root=0)
+        everyone = self.grid.comm.gather(measure_times(layers, sample), root=0)
         # Rank 0 decides from the mean of all ranks' timings, so every rank gets one answer.
         return on_root(lambda: partition(list(np.mean(everyone, axis=0)), self.stages), self.grid.comm)
 

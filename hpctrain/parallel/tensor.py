@@ -221,12 +221,9 @@ class ParallelSelfAttention(SelfAttention):
         nn.Module.__init__(self)
         dense = SelfAttention(width, heads, causal) if dense is None else dense
         self.width, self.heads, self.causal = width, heads, causal
-        _split(heads, comm, "the number of attention heads")
-        self.comm = comm
-        self.local_heads = heads // comm.Get_size()
-        self.q_proj = ColumnParallelLinear.from_dense(dense.q_proj, comm)
-        self.k_proj = ColumnParallelLinear.from_dense(dense.k_proj, comm)
-        self.v_proj = ColumnParallelLinear.from_dense(dense.v_proj, comm)
+        self.comm, self.local_heads = comm, _split(heads, comm, "the number of attention heads")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, ColumnParallelLinear.from_dense(getattr(dense, name), comm))
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, comm)
 
     @classmethod
