@@ -1,5 +1,7 @@
 """Horovod backend: ``hvd.DistributedOptimizer`` (ring all-reduce, tensor fusion, overlap of communication
 with the backward pass). The only module of hpctrain that imports horovod."""
+import itertools
+
 from .. import settings
 from ..errors import BackendUnavailable, ConfigError
 from .base import Backend, allgather_in_place
@@ -166,8 +168,7 @@ class HorovodBackend(Backend):
 
         if isinstance(value, torch.Tensor):
             return self.hvd.allreduce(value.detach().cpu(), op=self.hvd.Average).to(value.device)
-        tensor = torch.tensor([float(value)], dtype=torch.float64)
-        return float(self.hvd.allreduce(tensor, op=self.hvd.Average)[0])
+        return float(self.hvd.allreduce(torch.tensor([float(value)], dtype=torch.float64), op=self.hvd.Average)[0])
 
     def broadcast_object(self, obj, root=0):
         return self.hvd.broadcast_object(obj, root_rank=root)
@@ -207,10 +208,8 @@ class HorovodBackend(Backend):
     # padded to the longest, as one row of a (ranks x longest) tensor, so the parts can be cut anywhere.
     def _padded(self, flat, counts):
         padded = flat.new_zeros(len(counts), max(max(counts), 1))
-        lo = 0
-        for r, n in enumerate(counts):
+        for r, (lo, n) in enumerate(zip(itertools.accumulate(counts, initial=0), counts)):
             padded[r, :n] = flat[lo:lo + n]
-            lo += n
         return padded
 
     def reduce_scatter_mean(self, flat, counts):
@@ -232,11 +231,9 @@ class HorovodBackend(Backend):
     def allgather_by_broadcasts(self, flat, counts):
         """GPU tensors (NCCL): one in-place broadcast per part from the rank that holds it, all
         in flight at once: no padded copy and no gathered temporary."""
-        hvd, handles, lo = self.hvd, [], 0
-        for r, n in enumerate(counts):
-            if n:
-                handles.append(hvd.broadcast_async_(flat[lo:lo + n], root_rank=r, name=f"hpctrain.shard.gather.{r}"))
-            lo += n
+        hvd = self.hvd
+        handles = [hvd.broadcast_async_(flat[lo:lo + n], root_rank=r, name=f"hpctrain.shard.gather.{r}")
+                   for r, (lo, n) in enumerate(zip(itertools.accumulate(counts, initial=0), counts)) if n]
         for handle in handles:
             hvd.synchronize(handle)
 

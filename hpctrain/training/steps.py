@@ -76,8 +76,7 @@ class DataParallelSteps:
     def wrap_optimizer(self, make, model, mode):
         """The optimizer to step: ``make()``'s (a user's function failing on any rank fails on all), as
         ``comm.mode`` has it wrapped."""
-        users = is_import_path(self.cfg.train.optimizer)
-        optimizer = all_or_none(make, self.world.comm) if users else make()
+        optimizer = all_or_none(make, self.world.comm) if is_import_path(self.cfg.train.optimizer) else make()
         return mode.wrap_optimizer(optimizer, model, self.cfg.train.accumulation)
 
     def broadcast(self, state):
