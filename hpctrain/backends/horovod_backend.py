@@ -38,8 +38,7 @@ def import_horovod():
         import horovod.torch as hvd
     except Exception as exc:  # ImportError, or a broken build (undefined symbol: OSError)
         raise BackendUnavailable(
-            f"the horovod backend was asked for, but Horovod cannot be imported here "
-            f"({type(exc).__name__}: {exc})",
+            f"the horovod backend was asked for, but Horovod cannot be imported here ({type(exc).__name__}: {exc})",
             hint='run `make setup` (builds Horovod against this MPI and PyTorch), or train with '
                  'the mpi4py backend: comm.backend = "mpi" (or HPCTRAIN_BACKEND=mpi)') from None
     return hvd

@@ -78,9 +78,7 @@ class _GradientBuckets:
                 torch.div(p.grad, backend.gradient_predivide_factor, out=chunk)
             else:
                 chunk.copy_(p.grad)
-        ctx = None
-        if not cast:
-            wire, ctx = backend.compressor.compress(flat)
+        wire, ctx = (wire, None) if cast else backend.compressor.compress(flat)
         host = wire.cpu()
         backend._allreduce_sum(host)
         if host is not wire:

@@ -45,13 +45,9 @@ def score_batch(output, target, loss_fn, metrics_fn=None, loss=None, samples=Non
 def _user_scores(result, n):
     if not isinstance(result, dict):
         raise TypeError(f"train.metrics returned {type(result).__name__}, not a dict of name -> (sum, count)")
-    scores = {}
-    for name, value in result.items():
-        if isinstance(value, (tuple, list)) and len(value) == 2:
-            scores[str(name)] = (float(value[0]), float(value[1]))
-        else:  # a mean over the batch's samples
-            scores[str(name)] = (float(value) * n, n)
-    return scores
+    # a pair: (sum, count); a plain number: a mean over the batch's samples
+    return {str(name): (float(v[0]), float(v[1])) if isinstance(v, (tuple, list)) and len(v) == 2 else (float(v) * n, n)
+            for name, v in result.items()}
 
 
 def add(totals, scores):

@@ -72,9 +72,7 @@ def gradient_buckets(sizes, limit_elements):
 
 def _rows(shape):
     """``(rows, elements per row)`` of a tensor of ``shape`` (a scalar is one row of one)."""
-    if not shape:
-        return 1, 1
-    return shape[0], math.prod(shape[1:])
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
 def shard_bounds(shapes, nranks):
