@@ -305,17 +305,8 @@ class TrainConfig:
         lines = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            for key, value in values.items():
-                if value is None:
-                    lines.append(f"# {key} = (not set)")
-                elif isinstance(value, bool):
-                    lines.append(f"{key} = {'true' if value else 'false'}")
-                elif isinstance(value, (int, float)):
-                    lines.append(f"{key} = {value!r}")
-                elif isinstance(value, (dict, list)):
-                    lines.append(f"{key} = {_toml_value(value)}")
-                else:
-                    lines.append(f"{key} = {json.dumps(str(value))}")
+            lines += [f"# {key} = (not set)" if value is None else f"{key} = {_toml_value(value)}"
+                      for key, value in values.items()]
             lines.append("")
         return "\n".join(lines)
 
@@ -349,8 +340,7 @@ def fields_of(obj):
 
 
 def field_type(obj, key):
-    hints = typing.get_type_hints(type(obj))
-    kind = hints[key]
+    kind = typing.get_type_hints(type(obj))[key]
     args = typing.get_args(kind)
     optional = type(None) in args
     if optional:
@@ -362,16 +352,15 @@ def set_field(obj, section, key, value, source, from_text=False):
     """Set ``obj.key`` (in ``[section]``) from a TOML value or, with ``from_text``, a string."""
     fields = fields_of(obj)
     if key not in fields:
-        valid = ", ".join(fields)
         close = closest(key, fields)
-        raise ConfigError(f"{source}: unknown key {section}.{key}; valid keys in [{section}]: {valid}",
+        raise ConfigError(f"{source}: unknown key {section}.{key}; valid keys in [{section}]: {', '.join(fields)}",
                           hint=f"did you mean {section}.{close}?" if close else "remove it")
     kind, optional = field_type(obj, key)
     setattr(obj, key, typed_value(value, kind, optional, f"{section}.{key}", source, from_text))
 
 
 def _toml_value(value):
-    """TOML text for a value of a ``dict``/``list`` field (inline tables and arrays)."""
+    """TOML text for a value (``dict``/``list`` fields as inline tables and arrays)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
