@@ -4,6 +4,8 @@ from ..errors import ConfigError
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
+_EXPECTED = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string"}
+_ACCEPTED = {bool: bool, int: int, float: (int, float), str: str}  # the TOML values each type takes
 _EXAMPLES = {bool: "true", int: "10", float: "0.5", dict: "{width = 64}", list: '["src"]'}  # for a hint
 
 
@@ -21,10 +23,6 @@ def _switch(value):
 
 def typed_value(value, kind, optional, name, source, from_text):
     """``value`` (TOML's, or with ``from_text`` an override's text) as the type ``kind`` of the key ``name``."""
-    def bad(expected):
-        return ConfigError(f"{source}: {name} = {value!r} is not {expected}",
-                           hint=f"give {name} {expected}, e.g. {name}={_EXAMPLES.get(kind, 'name')}")
-
     if kind in (dict, list):
         return _convert_table(value, kind, name, source, from_text)
     if kind is Switch:
@@ -37,42 +35,21 @@ def typed_value(value, kind, optional, name, source, from_text):
         text = value.strip()
         if optional and text.lower() in ("", "none", "null"):
             return None
-        if kind is bool:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise bad("a boolean (true or false)")
-        if kind is int:
+        if kind is bool and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        if kind in (int, float):
             try:
-                return int(text)
+                return kind(text)
             except ValueError:
-                raise bad("an integer") from None
-        if kind is float:
-            try:
-                return float(text)
-            except ValueError:
-                raise bad("a number") from None
-        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-            text = text[1:-1]
-        return text
-    if value is None and optional:
+                pass
+        elif kind is not bool:  # a string, its quotes optional
+            return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+    elif value is None and optional:
         return None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise bad("a boolean (true or false)")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad("an integer")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
-        return float(value)
-    if not isinstance(value, str):
-        raise bad("a string")
-    return value
+    elif isinstance(value, _ACCEPTED[kind]) and (kind is bool or not isinstance(value, bool)):
+        return float(value) if kind is float else value
+    raise ConfigError(f"{source}: {name} = {value!r} is not {_EXPECTED[kind]}",
+                      hint=f"give {name} {_EXPECTED[kind]}, e.g. {name}={_EXAMPLES.get(kind, 'name')}")
 
 
 def parse_literal(text):
