@@ -43,6 +43,15 @@ def _positive(name, value, zero_ok=False):
                           hint=f"set {name} to a {'non-negative' if zero_ok else 'positive'} value")
 
 
+def _unused_without(section, obj, defaults, needs, now, fix):
+    """Refuse a key of ``defaults`` (``(name, default)`` pairs) set away from its default where ``needs``, the
+    setting that uses it, does not hold: ``now`` says what holds instead, ``fix`` the setting to make."""
+    for name, default in defaults:
+        if getattr(obj, name) != default:
+            raise ConfigError(f"{section}.{name} = {getattr(obj, name)!r} is only used with {needs}, {now}",
+                              hint=f"set {fix}, or remove {section}.{name}")
+
+
 def validate(cfg, world_size=1, cuda=False, need_data=True):
     """Check what no single field's type can; return a resolved copy: ``train.batch_size`` (per rank) derived
     from ``global_batch_size`` if set, the accumulation raised where needed (:func:`resolve_global_batch`;
@@ -89,9 +98,8 @@ def _check_train(cfg, cuda):
     if t.precision == "fp16" and not cuda:
         raise ConfigError("train.precision = \"fp16\" needs a GPU (a GradScaler on CUDA); this rank has none",
                           hint='use train.precision = "bf16" (mixed precision on CPU) or "fp32"')
-    for name in ("batch_size", "accumulation"):
+    for name in ("batch_size", "accumulation", "lr"):
         _positive(f"train.{name}", getattr(t, name))
-    _positive("train.lr", t.lr)
     for name in ("epochs", "max_steps", "global_batch_size", "momentum", "weight_decay", "warmup_steps",
                  "eval_every", "eval_batch_size", "step_timeout", "max_nonfinite_skips", "max_rollbacks",
                  "early_stop_patience"):
@@ -161,10 +169,8 @@ def _check_tokens(d):
     check_choice("data.dtype", d.dtype, schema.TOKEN_DTYPES)
     _positive("data.stride", d.stride, zero_ok=True)  # 0: block_size
     if d.kind != "tokens":
-        for name, default in _TOKEN_KEYS:
-            if getattr(d, name) != default:
-                raise ConfigError(f"data.{name} = {getattr(d, name)!r} is only used with data.kind = \"tokens\", "
-                                  f"but data.kind = {d.kind!r}", hint=f"set data.kind=tokens, or remove data.{name}")
+        _unused_without("data", d, _TOKEN_KEYS, 'data.kind = "tokens"', f"but data.kind = {d.kind!r}",
+                        "data.kind=tokens")
         return
     if not d.block_size:
         raise ConfigError("data.kind = \"tokens\" needs data.block_size (tokens per sample), which is not set",
@@ -200,44 +206,26 @@ def _check_checkpoint(k):
     for name in ("every_steps", "every_minutes", "keep_last", "keep_best", "milestone_every", "max_overhead",
                  "mtbf_hours", "local_every_steps", "alignment"):
         _positive(f"checkpoint.{name}", getattr(k, name), zero_ok=True)
-    _check_auto_interval(k)
-    _check_local(k)
-    _check_io_hints(k.io_hints)
-
-
-def _check_io_hints(hints):
-    """``checkpoint.io_hints``: MPI_Info takes string keys and values; numbers and booleans become strings."""
-    for key, value in hints.items():
-        if not isinstance(value, (str, int, float, bool)):
-            raise ConfigError(f"checkpoint.io_hints.{key} = {value!r}: an MPI-IO hint is one value, not a "
-                              f"{type(value).__name__}",
-                              hint='e.g. checkpoint.io_hints = {striping_factor = 16, romio_cb_write = "enable"}')
-
-
-def _check_local(k):
-    """``[checkpoint]``: the node-local level's keys need it."""
-    if k.local is False and k.local_every_steps:
-        raise ConfigError(f"checkpoint.local_every_steps = {k.local_every_steps} is only used with "
-                          f"checkpoint.local = true, which is false",
-                          hint="set checkpoint.local=true, or remove checkpoint.local_every_steps")
-
-
-def _check_auto_interval(k):
-    """``[checkpoint]``: auto_interval needs a rule, and the rules need auto_interval."""
+    # auto_interval needs a rule, and the rules need auto_interval
     if k.auto_interval and not (k.max_overhead or k.mtbf_hours):
         raise ConfigError("checkpoint.auto_interval = true, but neither checkpoint.max_overhead nor "
                           "checkpoint.mtbf_hours is set: no rule to choose the interval by",
                           hint="e.g. checkpoint.max_overhead=0.02 (2% of wall time) and/or "
                                "checkpoint.mtbf_hours=24 (the job's mean time between failures)")
     if not k.auto_interval:
-        for name in ("max_overhead", "mtbf_hours"):
-            if getattr(k, name):
-                raise ConfigError(f"checkpoint.{name} = {getattr(k, name)!r} is only used with "
-                                  f"checkpoint.auto_interval = true, which is false",
-                                  hint=f"set checkpoint.auto_interval=true, or remove checkpoint.{name}")
+        _unused_without("checkpoint", k, (("max_overhead", 0.0), ("mtbf_hours", 0.0)),
+                        "checkpoint.auto_interval = true", "which is false", "checkpoint.auto_interval=true")
     if k.max_overhead >= 0.5:
         raise ConfigError(f"checkpoint.max_overhead = {k.max_overhead!r} must be below 0.5 (a fraction of wall "
                           f"time, not a percentage)", hint="e.g. checkpoint.max_overhead=0.02 for 2%")
+    if k.local is False:  # "auto" may be off at run time, but a given interval is not a mistake
+        _unused_without("checkpoint", k, (("local_every_steps", 0),), "checkpoint.local = true", "which is false",
+                        "checkpoint.local=true")
+    for key, value in k.io_hints.items():  # MPI_Info takes strings: numbers and booleans become strings
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"checkpoint.io_hints.{key} = {value!r}: an MPI-IO hint is one value, not a "
+                              f"{type(value).__name__}",
+                              hint='e.g. checkpoint.io_hints = {striping_factor = 16, romio_cb_write = "enable"}')
 
 
 def _check_comm_mode(cfg):
@@ -252,11 +240,8 @@ def _check_comm_mode(cfg):
         raise ConfigError(f"comm.sync_warmup = {c.sync_warmup!r} must be >= 0",
                           hint="e.g. comm.sync_warmup=100 (fully synchronous steps first), or 0")
     if c.mode != "local_sgd":
-        for name, default in (("sync_every", 1), ("sync_warmup", 0), ("outer_optimizer", "none")):
-            if getattr(c, name) != default:
-                raise ConfigError(f"comm.{name} = {getattr(c, name)!r} is only used with comm.mode = \"local_sgd\", "
-                                  f"but comm.mode = {c.mode!r}",
-                                  hint=f"set comm.mode=local_sgd, or remove comm.{name}")
+        _unused_without("comm", c, (("sync_every", 1), ("sync_warmup", 0), ("outer_optimizer", "none")),
+                        'comm.mode = "local_sgd"', f"but comm.mode = {c.mode!r}", "comm.mode=local_sgd")
     if c.outer_optimizer == "none" and (c.outer_lr != 1.0 or c.outer_momentum != 0.0):
         raise ConfigError("comm.outer_lr or comm.outer_momentum is set, but comm.outer_optimizer = \"none\" "
                           "(the averaged parameters are taken as they are)",
@@ -268,8 +253,7 @@ def _check_comm_mode(cfg):
                           hint="e.g. comm.outer_momentum=0.9")
     if c.mode == "sync":
         return
-    t = cfg.train
-    if t.precision == "fp16":
+    if cfg.train.precision == "fp16":
         raise ConfigError(f"comm.mode = {c.mode!r} does not support train.precision = \"fp16\": its GradScaler "
                           f"decides per rank which steps to skip, and the ranks' scales would drift apart",
                           hint='use train.precision = "bf16" (no scaler), or comm.mode=sync')
@@ -337,7 +321,7 @@ def _check_split(cfg):
     if cfg.checkpoint.async_save:
         raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
                           f"model in place", hint="set checkpoint.async_save=false")
-    if cfg.checkpoint.local is True:  # "auto" is off here (training.setup says so)
+    if cfg.checkpoint.local:
         raise ConfigError(f"checkpoint.local (node-local checkpoints) is not supported {why} yet: a snapshot "
                           f"is recovered as a data-parallel state", hint="set checkpoint.local=false")
     if cfg.monitor.consistency_every:
