@@ -31,16 +31,9 @@ def format_line(step, total, epoch, loss=None, lr=None, samples_per_s=None, step
                 memory_mib=None):
     """The plain progress line (pure); ``memory_mib``: the highest peak resident memory of any rank."""
     parts = [f"step {step}" + (f"/{total}" if total else ""), f"epoch {epoch}"]
-    if loss is not None:
-        parts.append(f"loss {loss:.4f}")
-    if lr is not None:
-        parts.append(f"lr {lr:.2e}")
-    if samples_per_s is not None:
-        parts.append(f"{samples_per_s:.1f} samples/s")
-    if step_time is not None:
-        parts.append(f"{step_time:.3f} s/step")
-    if memory_mib is not None:
-        parts.append(f"peak mem {memory_mib:.0f} MiB/rank")
+    shown = ((loss, "loss {:.4f}"), (lr, "lr {:.2e}"), (samples_per_s, "{:.1f} samples/s"),
+             (step_time, "{:.3f} s/step"), (memory_mib, "peak mem {:.0f} MiB/rank"))
+    parts += [form.format(value) for value, form in shown if value is not None]
     if total:
         parts.append(f"ETA {format_eta(eta)}")
     return " ".join(parts)
@@ -81,20 +74,12 @@ class ProgressDisplay:
 
     def interval(self, step, epoch, loss=None, lr=None, samples_per_s=None, step_time=None, memory_mib=None):
         """Every ``log_every`` steps: a line in batch mode, throughput in the bar's postfix."""
-        eta = None
-        if self.total and step_time:
-            eta = (self.total - step) * step_time
+        eta = (self.total - step) * step_time if self.total and step_time else None
         if self.mode == "log":
             self._write(format_line(step, self.total, epoch, loss, lr, samples_per_s, step_time, eta, memory_mib))
         elif self.mode == "bar" and self.bar is not None:
-            postfix = {"epoch": epoch}
-            if loss is not None:
-                postfix["loss"] = f"{loss:.4f}"
-            if samples_per_s is not None:
-                postfix["samples/s"] = f"{samples_per_s:.1f}"
-            if memory_mib is not None:
-                postfix["mem"] = f"{memory_mib:.0f}MiB"
-            self.bar.set_postfix(postfix)
+            shown = (("loss", loss, "{:.4f}"), ("samples/s", samples_per_s, "{:.1f}"), ("mem", memory_mib, "{:.0f}MiB"))
+            self.bar.set_postfix({"epoch": epoch, **{k: form.format(v) for k, v, form in shown if v is not None}})
 
     def message(self, text):
         """A line that must be seen whatever the mode (warnings), even with ``off``."""
