@@ -223,16 +223,13 @@ def summarize(records):
     steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     # wall time: each start record opens a segment (a resumed run appends a new one)
     wall, segment_start, last = 0.0, None, None
-    for r in records:
-        ts = r.get("timestamp")
-        if ts is None:
-            continue
+    for r in (r for r in records if r.get("timestamp") is not None):
         if r.get("kind") == "start":
-            if segment_start is not None and last is not None:
+            if segment_start is not None:
                 wall += last - segment_start
-            segment_start = ts
-        last = ts
-    if segment_start is not None and last is not None:
+            segment_start = r["timestamp"]
+        last = r["timestamp"]
+    if segment_start is not None:
         wall += last - segment_start
     seconds = [r["steps"] * r["step_time"] for r in train if r.get("step_time") and r.get("steps")]
     rates = [(r.get("samples_per_s"), r["steps"] * r["step_time"]) for r in train

@@ -20,8 +20,6 @@ from .timing import PHASES, PhaseTotals as T
 
 def _number(value):
     """A JSON-safe float (tensors read here, NaN and inf become None)."""
-    if value is None:
-        return None
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -207,9 +205,8 @@ class RunLog:
         elapsed = now - iv["start"]
         steps = iv["steps"]
         shown_loss = _shown(iv["loss_sum"] / iv["loss_n"]) if iv["loss_n"] else None  # nan stays nan
-        loss = _number(shown_loss)
         record = {"kind": "train", "step": step, "epoch": epoch, **self._times(), "steps": steps,
-                  "loss": loss, "lr": _number(iv["lr"]),
+                  "loss": _number(shown_loss), "lr": _number(iv["lr"]),
                   "step_time": elapsed / steps if steps else None,
                   "steps_per_s": steps / elapsed if elapsed > 0 else None,
                   "samples_per_s": iv["samples"] / elapsed if elapsed > 0 and iv["samples"] else None}
@@ -218,11 +215,9 @@ class RunLog:
             self.timings = None
         self.writer.write(record)
         self.writer.scalars("train", {k: record[k] for k in ("loss", "lr", "samples_per_s", "step_time")}, step)
-        for phase, stats in record.get("phases", {}).items():
-            self.writer.scalars("phase_mean", {phase: stats["mean"]}, step)
-        memory = record.get("memory", {}).get("peak_rss_mib_max")
+        self.writer.scalars("phase_mean", {p: stats["mean"] for p, stats in record.get("phases", {}).items()}, step)
         self.display.interval(step, epoch, shown_loss, record["lr"], record["samples_per_s"], record["step_time"],
-                              memory)
+                              record.get("memory", {}).get("peak_rss_mib_max"))
         self.interval = self._new_interval(start=time.perf_counter())
 
     def _digest(self, step, table, gather_seconds):
