@@ -133,30 +133,24 @@ class MapDataset:
 def open_splits(data_cfg):
     """(train, val or None) :class:`HDF5Dataset` for a :class:`hpctrain.config.DataConfig`, or
     :class:`~.tokens.TokenWindows` where ``data.kind = "tokens"``."""
-    def name(group, key):
-        return f"{group}/{key}" if group else key
+    def split(group):
+        prefix = f"{group}/" if group else ""
+        return HDF5Dataset(data_cfg.path, prefix + data_cfg.x, prefix + data_cfg.y)
 
     if data_cfg.kind == "tokens":
         return open_token_splits(data_cfg)
-    train = HDF5Dataset(data_cfg.path, name(data_cfg.train, data_cfg.x), name(data_cfg.train, data_cfg.y))
-    val = None
-    if data_cfg.val and data_cfg.val != "none":
-        val = HDF5Dataset(data_cfg.path, name(data_cfg.val, data_cfg.x), name(data_cfg.val, data_cfg.y))
-    return train, val
+    return split(data_cfg.train), (split(data_cfg.val) if data_cfg.val and data_cfg.val != "none" else None)
 
 
 def build_data(data_cfg, comm):
     """(train, val or None) from ``[data] factory``, as datasets with ``read(indices)``. Collective: rank 0
     calls the factory first, the others after it returned; an error on any rank is raised on all."""
-    made = {}
+    def made():
+        return _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg)
 
-    def first():
-        made["data"] = _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg)
-
-    on_root(first, comm)  # only the outcome travels; the datasets stay on rank 0
-    if comm.Get_rank() == 0:
-        return all_or_none(lambda: made["data"], comm)
-    return all_or_none(lambda: _splits(call(data_cfg.factory, data_cfg.kwargs, "data.factory"), data_cfg), comm)
+    kept = {}
+    on_root(lambda: kept.update(data=made()), comm)  # only the outcome (None) travels; the datasets stay on rank 0
+    return all_or_none(lambda: kept["data"] if comm.Get_rank() == 0 else made(), comm)
 
 
 def _splits(result, data_cfg):

@@ -31,8 +31,7 @@ class PrefetchingReader:
         self.dataset, self.workers, self.prefetch = dataset, int(workers), int(prefetch)
         self.pin_memory, self.seed, self.rank = pin_memory, int(seed), int(rank)
         self._plan = _Plan()
-        self._loader = None
-        self._batches = None
+        self._loader = self._batches = None
         self._expected = collections.deque()
         self.direct_reads = 0  # reads that were not the next planned batch (evaluations, rollbacks)
 

@@ -17,11 +17,8 @@ class ShardSampler:
     """Which samples each rank reads at each step (pure: no I/O, no communication)."""
 
     def __init__(self, num_samples, seed, batch_size, ranks=1, accumulation=1):
-        self.num_samples = int(num_samples)
-        self.seed = int(seed)
-        self.batch_size = int(batch_size)
-        self.ranks = int(ranks)
-        self.accumulation = int(accumulation)
+        self.num_samples, self.seed, self.batch_size = int(num_samples), int(seed), int(batch_size)
+        self.ranks, self.accumulation = int(ranks), int(accumulation)
         self.global_batch = self.batch_size * self.ranks * self.accumulation
 
     @property

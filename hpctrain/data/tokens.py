@@ -22,8 +22,7 @@ class TokenWindows:
     def __init__(self, path, block_size, stride=0, dtype="uint16", dataset="tokens", key="data.path"):
         self.path, self.key, self.block_size = str(path), key, int(block_size)
         self.stride = int(stride) or self.block_size
-        self._file = None  # an open h5py file
-        self._dataset = dataset
+        self._file, self._dataset = None, dataset  # an open h5py file, and its dataset of tokens
         if self.block_size < 1 or self.stride < 1:
             raise ValueError(f"block_size {block_size} and stride {stride} must be positive")
         self.tokens = self._open(np.dtype(dtype), dataset)  # np.memmap or h5py Dataset: never a copy
