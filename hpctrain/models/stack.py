@@ -22,9 +22,7 @@ class LayerStack:
     """``count`` layers, layer ``i`` made by ``build(i)`` and named ``names[i]`` (default ``"i"``)."""
 
     def __init__(self, count, build, seed=0, names=None):
-        self.count = int(count)
-        self._build = build
-        self.seed = int(seed)
+        self.count, self._build, self.seed = int(count), build, int(seed)
         self.names = [str(i) for i in range(self.count)] if names is None else list(names)
         if len(self.names) != self.count:
             raise ValueError(f"{len(self.names)} names for {self.count} layers")
@@ -43,16 +41,11 @@ class LayerStack:
 
     def parameter_counts(self):
         """Parameters per layer (``balance = "params"``) from layers built on the meta device (no memory)."""
-        counts = []
-        for i in range(self.count):
-            layer = self.build(i, device="meta")
-            counts.append(sum(p.numel() for p in layer.parameters()))
-        return counts
+        return [sum(p.numel() for p in self.build(i, device="meta").parameters()) for i in range(self.count)]
 
     def layers(self):
         """The layers one at a time (a generator): at most one is alive if the caller drops it."""
-        for i in range(self.count):
-            yield self.build(i)
+        return (self.build(i) for i in range(self.count))
 
     def sequential(self, start=0, stop=None):
         """Layers ``start .. stop-1`` as an ``nn.Sequential`` under their names in the whole model."""
