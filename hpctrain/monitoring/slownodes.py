@@ -73,16 +73,14 @@ def slow_ranks_now(phase_means, factor, min_seconds):
         return {}  # nothing to compare with
     # With two ranks the median is their mean, so only a rank about factor/(2-factor) times
     # slower than the other is reported (1.86x for 1.3): a conservative test, on purpose.
-    work = work_seconds(means)
+    work, medians = work_seconds(means), np.median(means, axis=0)
     median = float(np.median(work))
     slow = {}
     for rank in np.flatnonzero((work > factor * median) & (work - median > min_seconds)):
-        excess = {p: means[rank, PHASES.index(p)] - float(np.median(means[:, PHASES.index(p)]))
-                  for p in WORK_PHASES}
-        phase = max(excess, key=excess.get)
-        column = PHASES.index(phase)
-        slow[int(rank)] = (phase, float(work[rank]), median, float(means[rank, column]),
-                           float(np.median(means[:, column])))
+        # the phase with the largest excess over its median (the first of equal ones)
+        column = max((PHASES.index(p) for p in WORK_PHASES), key=lambda i: means[rank, i] - medians[i])
+        slow[int(rank)] = (PHASES[column], float(work[rank]), median, float(means[rank, column]),
+                           float(medians[column]))
     return slow
 
 

@@ -35,8 +35,7 @@ class PhaseTimer:
     boundary (e.g. ``torch.cuda.synchronize``), charges asynchronous GPU work to the phase that queued it."""
 
     def __init__(self, sync=None, clock=time.perf_counter):
-        self._sync = sync
-        self._clock = clock
+        self._sync, self._clock = sync, clock
         self._times = dict.fromkeys(PHASES, 0.0)
         self._step_start = None
 
