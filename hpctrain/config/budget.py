@@ -27,10 +27,9 @@ def resolve_global_batch(global_batch, ranks, accumulation=1):
             hint=f"use a multiple of {per_step} (e.g. {lower} or {lower + per_step}), run on a number of ranks "
                  f"that divides it, or set the per-rank train.batch_size instead. A global batch divisible by "
                  f"every rank count a relaunch may use (e.g. 48 for 1 to 4 ranks) trains the same on each")
-    note = None
-    if chosen != accumulation:
-        note = (f"train.accumulation {accumulation} -> {chosen}: the global batch {global_batch} over {ranks} "
-                f"ranks is {per_rank} per rank, which {accumulation} micro-batches do not divide")
+    note = None if chosen == accumulation else (
+        f"train.accumulation {accumulation} -> {chosen}: the global batch {global_batch} over {ranks} "
+        f"ranks is {per_rank} per rank, which {accumulation} micro-batches do not divide")
     return per_rank // chosen, chosen, note
 
 

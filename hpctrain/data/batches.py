@@ -92,7 +92,6 @@ def to_device(batch, device):
 
 
 def samples_in(batch):
-    """The number of samples of ``batch``."""
     if isinstance(batch, dict):
         for value in batch.values():
             if hasattr(value, "shape") and len(value.shape):
