@@ -24,12 +24,8 @@ def mlp(cfg):
         layers += [nn.ReLU()]
     else:
         for i in range(cfg.depth):
-            if i:
-                layers.append(nn.Linear(cfg.hidden, cfg.hidden))
-            if cfg.layer_norm:
-                layers.append(nn.LayerNorm(cfg.hidden))
-            layers.append(nn.ReLU())
-            if cfg.dropout:
-                layers.append(nn.Dropout(cfg.dropout))
+            layers += [nn.Linear(cfg.hidden, cfg.hidden)] if i else []
+            layers += [nn.LayerNorm(cfg.hidden)] if cfg.layer_norm else []
+            layers += [nn.ReLU()] + ([nn.Dropout(cfg.dropout)] if cfg.dropout else [])
     layers.append(nn.Linear(cfg.hidden, cfg.num_classes))
     return nn.Sequential(*layers)
