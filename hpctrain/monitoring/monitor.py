@@ -115,5 +115,4 @@ def build_callbacks(cfg, run_dir, comm=None, total_steps=None, samples_per_step=
     names = ("log_every", "progress", "gather_every", "slow_rank_factor", "slow_rank_window",
              "slow_rank_min_seconds", "consistency_every", "tensorboard")
     return [Monitor(run_dir, comm, total_steps=total_steps, samples_per_step=samples_per_step, startup=startup,
-                    start_step=start_step,
-                    **{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})]
+                    start_step=start_step, **{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})]

@@ -78,14 +78,14 @@ def restart_costs(records):
     several hosts mix their clocks."""
     costs = []
     stamped = _stamped(records)
+    logged = [r["timestamp"] for r in stamped if r.get("kind") == "train"]
     for restart in (r for r in stamped if r.get("kind") == "restart"):
         at = restart["timestamp"]
-        before = [r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] < at]
+        before = [t for t in logged if t < at]
         start = _start_after(stamped, at)
         if not before or start is None:
             continue
-        first = next((r["timestamp"] for r in stamped if r.get("kind") == "train" and r["timestamp"] > start["timestamp"]),
-                     None)
+        first = next((t for t in logged if t > start["timestamp"]), None)
         ended, began = restart.get("launch_ended"), start.get("process_started")
         parts = {}
         if ended:
