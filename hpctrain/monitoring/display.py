@@ -49,19 +49,16 @@ class ProgressDisplay:
         self.bar = None
         self._postfix_time = 0.0
 
-    def _open_bar(self, step):
-        from tqdm import tqdm
-
-        # initial: a resumed run starts its bar where it left off
-        self.bar = tqdm(total=self.total, initial=max(0, step - 1), file=self.stream, unit="step",
-                        dynamic_ncols=True, smoothing=0.1)
-
     def step(self, step, epoch, loss=None):
         """Every step: advance the bar (the bar throttles its own redraws)."""
         if self.mode != "bar":
             return
         if self.bar is None:
-            self._open_bar(step)
+            from tqdm import tqdm
+
+            # initial: a resumed run starts its bar where it left off
+            self.bar = tqdm(total=self.total, initial=max(0, step - 1), file=self.stream, unit="step",
+                            dynamic_ncols=True, smoothing=0.1)
         self.bar.update(step - self.bar.n)
         now = time.monotonic()
         # postfix at most once a second: reading a GPU loss waits for the GPU
