@@ -49,11 +49,10 @@ class Monitor:
         hosts = self.comm.allgather(node or node_name())  # once: names for the reports
         self.root = None
         if self.comm.Get_rank() == 0:
-            detector = SlowRankDetector(slow_rank_factor, slow_rank_window, slow_rank_min_seconds)
             self.root = RunLog(run_dir, hosts, log_every=log_every, gather_every=self.gather_every,
-                               total_steps=total_steps, samples_per_step=samples_per_step,
-                               progress=progress, detector=detector, tensorboard=tensorboard, stream=stream,
-                               startup=startup, start_step=start_step)
+                               total_steps=total_steps, samples_per_step=samples_per_step, progress=progress,
+                               detector=SlowRankDetector(slow_rank_factor, slow_rank_window, slow_rank_min_seconds),
+                               tensorboard=tensorboard, stream=stream, startup=startup, start_step=start_step)
 
     # ------------------------------------------------------------------ callbacks
     def on_step(self, state, metrics, phase_times):

@@ -108,8 +108,7 @@ def _figure(*, nrows=1, figsize=(8, 4.5)):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize, layout="constrained")
-    axes = fig.subplots(nrows, 1, squeeze=False)[:, 0]
-    return fig, axes
+    return fig, fig.subplots(nrows, 1, squeeze=False)[:, 0]
 
 
 def plot_loss(records):

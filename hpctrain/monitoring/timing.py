@@ -36,8 +36,7 @@ class PhaseTimer:
 
     def __init__(self, sync=None, clock=time.perf_counter):
         self._sync, self._clock = sync, clock
-        self._times = dict.fromkeys(PHASES, 0.0)
-        self._step_start = None
+        self._times, self._step_start = dict.fromkeys(PHASES, 0.0), None
 
     def start_step(self):
         self._times = dict.fromkeys(PHASES, 0.0)
@@ -57,9 +56,8 @@ class PhaseTimer:
 
     def times(self):
         """This step's seconds per phase, plus ``step``: the wall time since :meth:`start_step`."""
-        out = dict(self._times)
-        out["step"] = self._clock() - self._step_start if self._step_start is not None else sum(self._times.values())
-        return out
+        step = self._clock() - self._step_start if self._step_start is not None else sum(self._times.values())
+        return {**self._times, "step": step}
 
 
 class PhaseTotals:
