@@ -136,10 +136,9 @@ def check_user_code(cfg, need_data=True):
                               f"{MODEL_LOSS!r} (the model computes it) nor an import path",
                               hint='e.g. train.loss = "mse", or "mypkg.losses:my_loss"')
         resolve(cfg.train.loss, "train.loss")
-    if cfg.train.metrics:
-        resolve(cfg.train.metrics, "train.metrics")
-    if cfg.data.collate:
-        resolve(cfg.data.collate, "data.collate")
+    for key, spec in (("train.metrics", cfg.train.metrics), ("data.collate", cfg.data.collate)):
+        if spec:
+            resolve(spec, key)
     if is_import_path(cfg.train.optimizer):
         _check_optimizer_function(cfg.train.optimizer)
 

@@ -42,8 +42,7 @@ class HDF5Dataset:
     CHUNK = 4096
 
     def __init__(self, path, x="x", y="y"):
-        self.path, self.x_name, self.y_name = str(path), x, y
-        self._file = None
+        self.path, self.x_name, self.y_name, self._file = str(path), x, y, None
         f = self._open()
         for name in (x, y):
             if name not in f:
