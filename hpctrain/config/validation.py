@@ -321,7 +321,7 @@ def _check_split(cfg):
     if cfg.checkpoint.async_save:
         raise ConfigError(f"checkpoint.async_save is not supported {why}: each rank writes its part of the "
                           f"model in place", hint="set checkpoint.async_save=false")
-    if cfg.checkpoint.local:
+    if cfg.checkpoint.local is True:  # "auto" is off here (training.setup says so)
         raise ConfigError(f"checkpoint.local (node-local checkpoints) is not supported {why} yet: a snapshot "
                           f"is recovered as a data-parallel state", hint="set checkpoint.local=false")
     if cfg.monitor.consistency_every:
