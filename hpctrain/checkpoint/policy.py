@@ -33,16 +33,7 @@ def save_reason(step, last_saved_step, seconds_since_save, every_steps=0, every_
     ``"auto"``: the interval hpctrain chose has passed) or None. Never twice for the same step."""
     if step == last_saved_step:
         return None
-    if requested:
-        return "requested"
-    if final and on_finish:
-        return "final"
-    if epoch_end and on_epoch_end:
-        return "epoch_end"
-    if every_steps > 0 and step % every_steps == 0:
-        return "steps"
-    if every_minutes > 0 and seconds_since_save >= every_minutes * 60.0:
-        return "time"
-    if auto_due:
-        return "auto"
-    return None
+    reasons = (("requested", requested), ("final", final and on_finish), ("epoch_end", epoch_end and on_epoch_end),
+               ("steps", every_steps > 0 and step % every_steps == 0),
+               ("time", every_minutes > 0 and seconds_since_save >= every_minutes * 60.0), ("auto", auto_due))
+    return next((reason for reason, due in reasons if due), None)
