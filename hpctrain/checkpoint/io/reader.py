@@ -34,14 +34,8 @@ class Header:
     """What a checkpoint holds, read without its data."""
 
     def __init__(self, path, root_attrs, group_attrs, datasets):
-        self.path = path
-        self.root_attrs = root_attrs  # dict
-        self.group_attrs = group_attrs  # group path -> dict
-        self.datasets = datasets  # path -> (shape, numpy dtype str, attrs)
-
-    @property
-    def step(self):
-        return int(self.root_attrs.get("step", -1))
+        # group_attrs: group path -> dict; datasets: path -> (shape, numpy dtype str, attrs)
+        self.path, self.root_attrs, self.group_attrs, self.datasets = path, root_attrs, group_attrs, datasets
 
     @property
     def metrics(self):
@@ -246,9 +240,7 @@ def check_checksums(path, paths, expected, found):
 def open_for_read(path, comm, parallel):
     import h5py
 
-    if parallel:
-        return h5py.File(path, "r", driver="mpio", comm=comm)
-    return h5py.File(path, "r")
+    return h5py.File(path, "r", driver="mpio", comm=comm) if parallel else h5py.File(path, "r")
 
 
 def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
@@ -267,10 +259,8 @@ def read_arrays(header, comm, parallel, keep=None, verify=True, into=None):
 def _scratch(shapes):
     """One buffer for every block read while checksumming: fresh memory costs page faults
     on every touch, a reused buffer only once."""
-    need = VERIFY_BYTES
-    for shape, dtype in shapes:
-        need = max(need, fmt.row_bytes(shape, dtype.itemsize))
-    return np.empty(need, dtype=np.uint8)
+    return np.empty(max([VERIFY_BYTES] + [fmt.row_bytes(shape, dtype.itemsize) for shape, dtype in shapes]),
+                    dtype=np.uint8)
 
 
 def _raw_offset(dset):
