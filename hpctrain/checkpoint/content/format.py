@@ -72,14 +72,9 @@ def param_name(key):
 
 # ---------------------------------------------------------------- dtypes
 # torch dtypes without a numpy type: raw bits of the same width; the ``dtype`` attribute names the real one.
-RAW_STORAGE = {
-    "bfloat16": "uint16",
-    "float8_e4m3fn": "uint8",
-    "float8_e5m2": "uint8",
-    "float8_e4m3fnuz": "uint8",
-    "float8_e5m2fnuz": "uint8",
-    "bool": "uint8",  # h5py would store numpy bool as an HDF5 enum; uint8 is plainer
-}
+# bool too: h5py would store numpy bool as an HDF5 enum; uint8 is plainer.
+RAW_STORAGE = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "float8_e4m3fnuz": "uint8",
+               "float8_e5m2fnuz": "uint8", "bool": "uint8"}
 
 
 def storage_dtype(torch_dtype_name):
@@ -165,8 +160,7 @@ def crc32_bytes(array):
     """CRC-32 of a numpy array's bytes in C order (a copy only if it is not contiguous)."""
     import numpy as np
 
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return crc32(flat)
+    return crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 # ---------------------------------------------------------------- the metadata checksum
@@ -211,13 +205,8 @@ def metadata_crc(root_attrs, group_attrs, datasets):
 
 # For the dtypes stored as raw bits: (mask, value): the element is NaN or infinite when
 # ``bits & mask == value`` (all exponent bits set; the fnuz formats' only NaN is 0x80).
-_RAW_NONFINITE = {
-    "bfloat16": (0x7F80, 0x7F80),
-    "float8_e5m2": (0x7C, 0x7C),
-    "float8_e4m3fn": (0x7F, 0x7F),
-    "float8_e4m3fnuz": (0xFF, 0x80),
-    "float8_e5m2fnuz": (0xFF, 0x80),
-}
+_RAW_NONFINITE = {"bfloat16": (0x7F80, 0x7F80), "float8_e5m2": (0x7C, 0x7C), "float8_e4m3fn": (0x7F, 0x7F),
+                  "float8_e4m3fnuz": (0xFF, 0x80), "float8_e5m2fnuz": (0xFF, 0x80)}
 
 
 def can_be_nonfinite(dtype_name):

@@ -17,14 +17,9 @@ def _versions():
     import h5py
     import torch
 
-    return {
-        "hpctrain_version": __version__,
-        "torch_version": str(torch.__version__),
-        "h5py_version": h5py.__version__,
-        "hdf5_version": h5py.version.hdf5_version,
-        "numpy_version": np.__version__,
-        "python_version": sys.version.split()[0],
-    }
+    return {"hpctrain_version": __version__, "torch_version": str(torch.__version__), "h5py_version": h5py.__version__,
+            "hdf5_version": h5py.version.hdf5_version, "numpy_version": np.__version__,
+            "python_version": sys.version.split()[0]}
 
 
 def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
@@ -33,21 +28,10 @@ def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
 
     info = launch_info()
     now = time.time()
-    meta = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "step": int(step),
-        "reason": reason,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        "created_unix": now,
-        "nranks": int(nranks),
-        "nwriters": int(nwriters),
-        "io_mode": io_mode,
-        "hostname": socket.gethostname(),
-        "run_config": fmt.to_json(run_config or {}),
-        "metrics": fmt.to_json(metrics or {}),
-    }
-    meta.update(_versions())
+    meta = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "step": int(step), "reason": reason,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "created_unix": now,
+            "nranks": int(nranks), "nwriters": int(nwriters), "io_mode": io_mode, "hostname": socket.gethostname(),
+            "run_config": fmt.to_json(run_config or {}), "metrics": fmt.to_json(metrics or {}), **_versions()}
     if info.slurm_job_id:
         meta["slurm_job_id"] = info.slurm_job_id
     if info.slurm_nodelist:
@@ -60,12 +44,10 @@ def rng_states():
     import torch
 
     np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state().numpy().copy(),
-        "numpy_keys": np.asarray(np_state[1], dtype=np.uint32).copy(),
-        "numpy_meta": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": random.getstate(),
-    }
+    return {"torch": torch.get_rng_state().numpy().copy(),
+            "numpy_keys": np.asarray(np_state[1], dtype=np.uint32).copy(),
+            "numpy_meta": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "python": random.getstate()}
 
 
 def set_rng_states(rng):
