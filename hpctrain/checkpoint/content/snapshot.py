@@ -4,6 +4,7 @@ snapshot: parameters are data-parallel replicas and rank 0's trainer state (RNG,
 is broadcast first. Split models (``hpctrain.parallel.checkpoint``) build their optimizer, trainer and RNG
 attributes with the same functions, and are restored by :func:`restore` with ``partial``."""
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -30,10 +31,6 @@ class Snapshot:
     entries: List[Entry]
     root_attrs: Dict[str, Any]
     group_attrs: Dict[str, Dict[str, Any]]  # group path -> attributes
-
-    @property
-    def nbytes(self):
-        return sum(e.array.nbytes for e in self.entries)
 
 
 # ---------------------------------------------------------------- tensors <-> arrays
@@ -108,11 +105,8 @@ def comm_name(path):
 def optimizer_param_names(model, optimizer):
     """Names of the optimizer's parameters, in the order of its ``state_dict()`` indices."""
     by_id = {id(p): name for name, p in model.named_parameters()}
-    names = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            names.append(by_id.get(id(p), f"param{len(names)}"))
-    return names
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [by_id.get(id(p), f"param{i}") for i, p in enumerate(params)]
 
 
 def optimizer_parts(model, optimizer):
@@ -194,17 +188,6 @@ def take_snapshot(state, root_info):
 
 # ---------------------------------------------------------------- putting one back
 
-def _check_shapes(expected, found):
-    """Raise naming every tensor whose shape differs (model order)."""
-    problems = [f"{name}: model has {tuple(shape)}, checkpoint has {tuple(found[name])}"
-                for name, shape in expected.items() if name in found and tuple(found[name]) != tuple(shape)]
-    if problems:
-        raise CheckpointError(
-            "shape mismatch between the model and the checkpoint:\n  " + "\n  ".join(problems),
-            hint="the model definition (or its config) differs from the run that wrote the checkpoint; "
-                 "load it into the same architecture, or start fresh with checkpoint.resume=none")
-
-
 def check_model_against(model, manifest, path):
     """Compare the model's tensors with the file's before reading any data."""
     found = {fmt.param_name(p.split("/", 1)[1]): shape for p, (shape, _, _) in manifest.items()
@@ -212,15 +195,18 @@ def check_model_against(model, manifest, path):
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing in the file: {', '.join(missing[:10])}")
-        if unexpected:
-            parts.append(f"not in the model: {', '.join(unexpected[:10])}")
+    parts = [f"{what}: {', '.join(names[:10])}" for what, names in
+             (("missing in the file", missing), ("not in the model", unexpected)) if names]
+    if parts:
         raise fmt.CheckpointCorrupt(f"{path}: the checkpoint's tensors do not match the model's ({'; '.join(parts)})",
-                              hint="load it into the model it was saved from")
-    _check_shapes(expected, found)
+                                    hint="load it into the model it was saved from")
+    problems = [f"{name}: model has {tuple(shape)}, checkpoint has {tuple(found[name])}"
+                for name, shape in expected.items() if name in found and tuple(found[name]) != tuple(shape)]
+    if problems:  # in model order
+        raise CheckpointError(
+            "shape mismatch between the model and the checkpoint:\n  " + "\n  ".join(problems),
+            hint="the model definition (or its config) differs from the run that wrote the checkpoint; "
+                 "load it into the same architecture, or start fresh with checkpoint.resume=none")
 
 
 def in_place_targets(state, datasets):
@@ -228,17 +214,11 @@ def in_place_targets(state, datasets):
     CPU, contiguous, of the stored dtype and shape, sharing memory with no other: tied weights are read into
     fresh arrays), each with the numpy view of its memory. Reading into them needs no new memory (fresh pages
     cost a fault on first touch), and the load does not hold the state twice."""
-    candidates = []
-    for name, tensor in state.model.state_dict().items():
-        candidates.append((model_path(name), tensor))
+    candidates = [(model_path(name), tensor) for name, tensor in state.model.state_dict().items()]
     if state.optimizer is not None:
-        for pname, key, tensor in optimizer_parts(state.model, state.optimizer)[1]:
-            candidates.append((optimizer_state_path(pname, key), tensor))
-    users = {}
-    for _, tensor in candidates:
-        if tensor.device.type == "cpu":
-            ptr = tensor.untyped_storage().data_ptr()
-            users[ptr] = users.get(ptr, 0) + 1
+        candidates += [(optimizer_state_path(pname, key), tensor)
+                       for pname, key, tensor in optimizer_parts(state.model, state.optimizer)[1]]
+    users = Counter(t.untyped_storage().data_ptr() for _, t in candidates if t.device.type == "cpu")
     targets = {}
     for dpath, tensor in candidates:
         stored = datasets.get(dpath)
@@ -260,9 +240,7 @@ def restore(state, arrays, attrs, path, partial=False, own=None):
     own = own or {}
 
     def tensor_of(dpath, device):
-        if dpath in own:
-            return own[dpath]
-        return array_to_tensor(*arrays[dpath]).to(device)
+        return own[dpath] if dpath in own else array_to_tensor(*arrays[dpath]).to(device)
 
     model_sd = {name: tensor_of(model_path(name), tensor.device)
                 for name, tensor in state.model.state_dict().items()}
@@ -274,8 +252,7 @@ def restore(state, arrays, attrs, path, partial=False, own=None):
     p = state.progress
     p.step, p.epoch = int(t["step"]), int(t["epoch"])
     p.samples_in_epoch, p.seed = int(t["samples_in_epoch"]), int(t["seed"])
-    p.best_metric = json.loads(t["best_metric"])
-    p.extra = json.loads(t["extra"])
+    p.best_metric, p.extra = json.loads(t["best_metric"]), json.loads(t["extra"])
     if "scaler" in t and getattr(state, "scaler", None) is not None:
         state.scaler.load_state_dict(json.loads(t["scaler"]))
     if getattr(state, "comm_mode", None) is not None:
