@@ -46,12 +46,8 @@ class BackgroundWriter:
     ``checkpoint.auto_interval``)."""
 
     def __init__(self, comm):
-        self.comm = comm
-        self.buffers = {}
-        self.written = None
-        self._thread = None
-        self._error = None
-        self._comm = None
+        self.comm, self.buffers, self.written = comm, {}, None
+        self._thread = self._error = self._comm = None
 
     def start(self, plan, info, parallel, verify, retention, metric):
         if self._comm is None:

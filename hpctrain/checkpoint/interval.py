@@ -49,22 +49,16 @@ class AutoInterval:
     def __init__(self, max_overhead=0.0, mtbf_hours=0.0, every_steps=0, every_minutes=0.0):
         if max_overhead <= 0 and mtbf_hours <= 0:
             raise ValueError("AutoInterval needs max_overhead > 0 or mtbf_hours > 0")
-        self.max_overhead = max_overhead
-        self.mtbf_seconds = mtbf_hours * 3600.0
-        self.every_steps = every_steps
-        self.every_seconds = every_minutes * 60.0
+        self.max_overhead, self.mtbf_seconds = max_overhead, mtbf_hours * 3600.0
+        self.every_steps, self.every_seconds = every_steps, every_minutes * 60.0
         self._steps = deque(maxlen=STEP_WINDOW)
-        self._saves = deque(maxlen=SAVE_WINDOW)
-        self._writes = deque(maxlen=SAVE_WINDOW)
-        self.steps = None
-        self.why = None
+        self._saves, self._writes = deque(maxlen=SAVE_WINDOW), deque(maxlen=SAVE_WINDOW)
+        self.steps = self.why = None
         self._tuned = True  # the interval fits the latest save cost
         self.changes = []
         # What the manager measured at its calls: (clock, step) at the end of the previous one,
         # what the last save cost the training (fed at the next call), the step it started from.
-        self._mark = None
-        self._blocked = None
-        self._first_step = None
+        self._mark = self._blocked = self._first_step = None
 
     # -- measurements
 

@@ -66,8 +66,7 @@ class LocalLevel:
         self.every = cfg.local_every_steps
         self.interval = (AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
                          if cfg.auto_interval else None if self.every else AutoInterval(DEFAULT_OVERHEAD))
-        self.last_step = None
-        self.announced = False
+        self.last_step, self.announced = None, False
 
     def describe(self):
         """The run's first line of the level: on or off (``auto`` without a usable directory), where, its bound."""
