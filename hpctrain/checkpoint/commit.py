@@ -149,8 +149,7 @@ class Retention:
         """Delete what the rules no longer keep (never the file ``latest`` names)."""
         found = scan(self.directory)
         c = self.cfg
-        need_metric = c.keep_best > 0
-        keep = select_keep([(s, self._metric_of(n) if need_metric else None) for s, n in found],
+        keep = select_keep([(s, self._metric_of(n) if c.keep_best > 0 else None) for s, n in found],
                            c.keep_last, c.keep_best, c.best_mode, c.milestone_every)
         latest = read_latest(self.directory)
         for step, name in found:

@@ -127,9 +127,8 @@ def _move_newer(directory, path, step):
     os.makedirs(dest, exist_ok=True)
     for _, n in newer:
         os.replace(os.path.join(directory, n), os.path.join(dest, n))
-    fsutil.fsync_path(dest, directory=True)
-    fsutil.fsync_path(os.path.dirname(dest), directory=True)
-    fsutil.fsync_path(directory, directory=True)
+    for moved in (dest, os.path.dirname(dest), directory):
+        fsutil.fsync_path(moved, directory=True)
     fsutil.write_text(os.path.join(dest, BRANCH_RECORD), fmt.to_json({
         "abandoned": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "resumed_from": path,
         "resumed_step": step, "files": [n for _, n in sorted(newer)]}) + "\n")

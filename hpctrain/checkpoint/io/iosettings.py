@@ -203,6 +203,4 @@ def io_settings_for(directory, alignment=0, io_hints=None, direct=False, detecte
 
 def hint_value(value):
     """A TOML value as MPI_Info wants it: a string (``true`` -> ``"true"``, 8 -> ``"8"``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -61,7 +61,7 @@ def _optimizer_plans(opt, tensors, rank, copy):
                 owner = pieces[0][0] if pieces else 0
                 array, dtype = snapshot.tensor_to_array(value, copy)
                 plans.append(DatasetPlan(path, (), array.dtype, {fmt.DTYPE_ATTR: dtype}, [(owner, ())],
-                                                array if rank == owner else None, finite=True))
+                                         array if rank == owner else None, finite=True))
                 continue
             mine, dtype = None, snapshot.dtype_name(value)
             for r, a, b, start in pieces:
@@ -71,8 +71,7 @@ def _optimizer_plans(opt, tensors, rank, copy):
                     mine, dtype = snapshot.tensor_to_array(part, copy)
             stored = np.dtype(fmt.storage_dtype(dtype))
             plans.append(DatasetPlan(path, tuple(shape), stored, {fmt.DTYPE_ATTR: dtype},
-                                            [(r, fmt.rows(shape, a, b)) for r, a, b, _ in pieces], mine,
-                                            finite=True))
+                                     [(r, fmt.rows(shape, a, b)) for r, a, b, _ in pieces], mine, finite=True))
     return plans
 
 
