@@ -6,6 +6,7 @@ nothing to write (:func:`write_empty`); and the collective close, which aborts t
 ranks waiting for ever inside HDF5 (:func:`close_parallel`, :func:`or_abort`). What each rank writes, and
 when: :mod:`.writer`."""
 import contextlib
+import functools
 import os
 import threading
 
@@ -133,19 +134,15 @@ def create_parallel(path, comm, io):
     return h5py.File(h5f.create(os.fsencode(path), h5f.ACC_TRUNC, fapl=fapl))
 
 
-_set_collective_metadata = []  # H5Pset_coll_metadata_write of the HDF5 that h5py runs on, once found
-
-
 def collective_metadata_writes(fapl):
     """``H5Pset_coll_metadata_write(fapl, true)`` (HDF5 >= 1.10), which h5py does not offer: called in the
     libhdf5 this process has loaded whose version is h5py's. True if set; False where no such library is
     found (the file is then written as before, its metadata in many small writes)."""
-    if not _set_collective_metadata:
-        _set_collective_metadata.append(_find_hdf5_function("H5Pset_coll_metadata_write"))
-    function = _set_collective_metadata[0]
+    function = _find_hdf5_function("H5Pset_coll_metadata_write")
     return function is not None and function(fapl.id, True) >= 0
 
 
+@functools.lru_cache(maxsize=None)  # looked up once per process
 def _find_hdf5_function(name):
     import ctypes
 
