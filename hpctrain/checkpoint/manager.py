@@ -42,7 +42,10 @@ class CheckpointManager:
         self.parallel, forced = (True, False) if self.planner.collective_only else commit.io_mode(self.comm)
         if world.is_root:
             _warn_about_io(self.parallel, forced, world.size, cfg.async_save)
-        self.io = on_root(lambda: _io_settings(self.directory, cfg), self.comm)
+        # the files' layout and MPI-IO hints, from the directory's file system (rank 0's view)
+        self.io = on_root(lambda: iosettings.io_settings_for(
+            self.directory, getattr(cfg, "alignment", 0), getattr(cfg, "io_hints", None),
+            getattr(cfg, "direct_io", False)), self.comm)
         self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
         self._last_step = None
@@ -172,12 +175,6 @@ class CheckpointManager:
         self.background.close()
         if self.local is not None:
             self.local.finish(self._last_step)
-
-
-def _io_settings(path, cfg):
-    """The files' layout and MPI-IO hints, from the directory's file system (rank 0's view)."""
-    return iosettings.io_settings_for(path, getattr(cfg, "alignment", 0), getattr(cfg, "io_hints", None),
-                                      getattr(cfg, "direct_io", False))
 
 
 def _auto_due(interval, background, step, now, last_saved_step):

@@ -144,8 +144,7 @@ class LocalLevel:
         if self.off:  # checkpoint.local = "auto" without a usable directory: nothing there to recover
             return None
         comm, is_root = self.comm, self.comm.Get_rank() == 0
-        seen = files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else []
-        everything = comm.gather(seen, root=0)
+        everything = comm.gather(files.scan_node(self.ndir, self.checkpoint_dir) if self.leader else [], root=0)
         started = time.monotonic()
         step, chosen, skipped, full, specs = _gather_usable(comm, everything, newer_than)
         if step is None:
