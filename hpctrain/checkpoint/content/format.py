@@ -187,11 +187,9 @@ def metadata_text(root_attrs, group_attrs, datasets):
     def plain(attrs):
         return {k: attr_value(v) for k, v in attrs.items()}
 
-    doc = {
-        "root": {k: attr_value(v) for k, v in root_attrs.items() if k != METADATA_CRC_ATTR},
-        "groups": {g: plain(a) for g, a in group_attrs.items() if a},
-        "datasets": {p: [list(shape), str(dtype), plain(a)] for p, (shape, dtype, a) in datasets.items()},
-    }
+    doc = {"root": plain({k: v for k, v in root_attrs.items() if k != METADATA_CRC_ATTR}),
+           "groups": {g: plain(a) for g, a in group_attrs.items() if a},
+           "datasets": {p: [list(shape), str(dtype), plain(a)] for p, (shape, dtype, a) in datasets.items()}}
     return json.dumps(doc, sort_keys=True, allow_nan=True, ensure_ascii=True, separators=(",", ":"))
 
 

@@ -113,16 +113,11 @@ def refuse_nonfinite(datasets, gathered_bad, path):
         return
     names = [f"/{datasets[i].path}" for i in bad]
     raise everywhere(fmt.NonFiniteState(
-        f"refusing to write {os.path.basename(_final_name(path))}: NaN or infinite values in {len(bad)} "
+        f"refusing to write {os.path.basename(path.split(TMP_MARK)[0])}: NaN or infinite values in {len(bad)} "
         f"tensor(s) that must be finite: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}; "
         f"the checkpoint was not written, the previous checkpoints and `latest` are untouched",
         hint="the run has diverged: roll back to the last good checkpoint (CheckpointManager.load_latest, "
              "or restart with checkpoint.resume=auto) and lower the learning rate or clip gradients"))
-
-
-def _final_name(path):
-    """The checkpoint's name from its temp file's name."""
-    return path.split(TMP_MARK)[0]
 
 
 def mark_finite(plan):

@@ -122,13 +122,9 @@ def optimizer_parts(model, optimizer):
     values, tensors = {}, []
     for index in sorted(sd["state"]):
         pname = names[index] if index < len(names) else f"param{index}"
-        values[pname] = {}
-        for key in sorted(sd["state"][index]):
-            value = sd["state"][index][key]
-            if hasattr(value, "detach"):
-                tensors.append((pname, key, value))
-            else:
-                values[pname][key] = value
+        items = sorted(sd["state"][index].items())
+        values[pname] = {key: value for key, value in items if not hasattr(value, "detach")}
+        tensors += [(pname, key, value) for key, value in items if hasattr(value, "detach")]
     description = {"class": type(optimizer).__name__, "groups": groups, "values": values}
     return json.loads(fmt.to_json(description)), tensors
 
@@ -145,10 +141,8 @@ def optimizer_attrs(description):
 def progress_attrs(progress, rng, scaler=None):
     """Group attributes of ``/trainer`` and ``/trainer/rng``: ``progress``, rank 0's ``rng``."""
     p = progress
-    trainer = {
-        "step": int(p.step), "epoch": int(p.epoch), "samples_in_epoch": int(p.samples_in_epoch),
-        "seed": int(p.seed), "extra": fmt.to_json(p.extra), "best_metric": fmt.to_json(p.best_metric),
-    }
+    trainer = {"step": int(p.step), "epoch": int(p.epoch), "samples_in_epoch": int(p.samples_in_epoch),
+               "seed": int(p.seed), "extra": fmt.to_json(p.extra), "best_metric": fmt.to_json(p.best_metric)}
     if scaler is not None:
         trainer["scaler"] = fmt.to_json(scaler.state_dict())
     return {fmt.TRAINER: trainer,
