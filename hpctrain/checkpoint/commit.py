@@ -33,9 +33,8 @@ def prepare(final, comm, parallel, run_config=None, metrics=None, reason="manual
     """Rank 0: check the directory, choose the temp name, gather metadata and RNG states.
     ``extra``: more attributes of ``/``; ``io``: the file's layout and MPI-IO hints (:mod:`.iosettings`)."""
     check_writable(os.path.dirname(final))
-    nwriters = comm.Get_size() if parallel else 1
     meta = metadata.root_metadata(comm.Get_size(), run_config, metrics, reason, step,
-                                  "mpio" if parallel else "serial", nwriters)
+                                  "mpio" if parallel else "serial", comm.Get_size() if parallel else 1)
     meta.update(extra or {})
     return {"final": final, "tmp": fsutil.temp_name(final), "meta": meta, "rng": metadata.rng_states(), "io": io}
 

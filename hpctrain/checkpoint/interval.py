@@ -152,8 +152,7 @@ class AutoInterval:
         # Small changes are noise: the budget aims low enough to absorb them.
         if self.steps is not None and self.steps / SHORTER_FACTOR <= steps <= self.steps / BUDGET_AIM:
             return True
-        before = self.steps
-        self.steps, self.why = steps, why
+        before, self.steps, self.why = self.steps, steps, why
         self.changes.append(self.describe(cost, step, before))
         return True
 

@@ -122,8 +122,7 @@ def parse_mountinfo(text):
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or not tail:
             continue
-        point = fields[4].encode().decode("unicode_escape")  # "\040" is a space
-        mounts.append((point, tail[0]))
+        mounts.append((fields[4].encode().decode("unicode_escape"), tail[0]))  # "\040" is a space
     return mounts
 
 
