@@ -125,8 +125,7 @@ def optimizer_parts(model, optimizer):
         items = sorted(sd["state"][index].items())
         values[pname] = {key: value for key, value in items if not hasattr(value, "detach")}
         tensors += [(pname, key, value) for key, value in items if hasattr(value, "detach")]
-    description = {"class": type(optimizer).__name__, "groups": groups, "values": values}
-    return json.loads(fmt.to_json(description)), tensors
+    return json.loads(fmt.to_json({"class": type(optimizer).__name__, "groups": groups, "values": values})), tensors
 
 
 def optimizer_attrs(description):

@@ -43,8 +43,7 @@ def _description(opt):
             plain = {k: v for k, v in state.items() if not hasattr(v, "detach")}
             values.update({name: dict(plain) for name in names})
         tensors.append({k: v for k, v in sorted(state.items()) if hasattr(v, "detach")})
-    description = {"class": type(inner).__name__, "groups": groups, "values": values}
-    return json.loads(fmt.to_json(description)), tensors
+    return json.loads(fmt.to_json({"class": type(inner).__name__, "groups": groups, "values": values})), tensors
 
 
 def _optimizer_plans(opt, tensors, rank, copy):
