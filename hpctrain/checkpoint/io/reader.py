@@ -319,13 +319,11 @@ def verify_written(path, expected, comm, parallel, direct=False):
             for i, (p, (shape, dtype), pieces) in enumerate(zip(paths, shapes, plan)):
                 rb = fmt.row_bytes(shape, dtype.itemsize)
                 offset = _raw_offset(f[p]) if raw is not None and len(pieces) > 1 else None
-                for r, start, stop in pieces:
-                    if r == rank and offset is not None:
-                        nbytes = (stop - start) * rb
-                        sums.append((i, start * rb, nbytes, raw.crc(offset + start * rb, nbytes, fmt.crc32)))
-                    elif r == rank:
-                        crc, nbytes, _ = _crc_rows(f[p], start, stop, shape, dtype, scratch)
-                        sums.append((i, start * rb, nbytes, crc))
+                for start, stop in [(a, b) for r, a, b in pieces if r == rank]:
+                    nbytes = (stop - start) * rb
+                    crc = (raw.crc(offset + start * rb, nbytes, fmt.crc32) if offset is not None
+                           else _crc_rows(f[p], start, stop, shape, dtype, scratch)[0])
+                    sums.append((i, start * rb, nbytes, crc))
         except Exception as exc:
             errors.append(f"re-reading for verification: {type(exc).__name__}: {exc}")
         finally:

@@ -113,9 +113,7 @@ def partners(nodes):
 
 def _plain(value):
     """JSON for attribute values (numpy scalars and arrays as Python ones)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
     if isinstance(value, bytes):
         return value.decode()
