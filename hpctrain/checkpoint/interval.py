@@ -110,9 +110,7 @@ class AutoInterval:
             self.observe_step(now - self._mark[0], step - self._mark[1])
         if self._first_step is None:
             self._first_step = step
-        if writing:
-            return False
-        return self.due(step - (last_saved_step if last_saved_step is not None else self._first_step))
+        return not writing and self.due(step - (last_saved_step if last_saved_step is not None else self._first_step))
 
     # -- the rules
 
@@ -163,7 +161,7 @@ class AutoInterval:
             parts.append(f"background write {self.write_time:.3g} s")
         if self.max_overhead > 0:
             parts.append(f"budget {self.max_overhead:.3g} of wall time -> "
-                         f"{_fmt_pct(cost / (self.steps * step + cost))} spent")
+                         f"{100 * (cost / (self.steps * step + cost)):.2g}% spent")
         if self.mtbf_seconds > 0:
             parts.append(f"MTBF {self.mtbf_seconds / 3600:.3g} h -> Young/Daly "
                          f"{young_daly_seconds(cost, self.mtbf_seconds):.3g} s")
@@ -178,7 +176,3 @@ class AutoInterval:
 def young_daly_seconds(save_cost, mtbf_seconds):
     """Young's first-order optimum interval between checkpoints: sqrt(2 C M)."""
     return math.sqrt(2.0 * save_cost * mtbf_seconds)
-
-
-def _fmt_pct(fraction):
-    return f"{100 * fraction:.2g}%"

@@ -10,9 +10,7 @@ def select_keep(checkpoints, keep_last=3, keep_best=0, best_mode="min", mileston
     if best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
     steps = sorted({step for step, _ in checkpoints}, reverse=True)
-    if not steps:
-        return set()
-    if keep_last <= 0:
+    if not steps or keep_last <= 0:
         return set(steps)
     keep = set(steps[:keep_last]) | {steps[0]}
     if keep_best > 0:
