@@ -129,8 +129,7 @@ class Retention:
     with the metric of each checkpoint remembered from its save or read from its header once."""
 
     def __init__(self, directory, cfg):
-        self.directory, self.cfg = directory, cfg
-        self._metrics = {}
+        self.directory, self.cfg, self._metrics = directory, cfg, {}
 
     def remember(self, name, metric):
         self._metrics[name] = metric

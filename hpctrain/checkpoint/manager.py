@@ -48,9 +48,8 @@ class CheckpointManager:
             getattr(cfg, "direct_io", False)), self.comm)
         self.retention = commit.Retention(self.directory, cfg)
         self.background = BackgroundWriter(self.comm)
-        self._last_step = None
+        self._last_step = self.last_path = None
         self._last_time = time.monotonic()  # rank 0's clock is the one that counts
-        self.last_path = None
         # checkpoint.auto_interval: rank 0's estimator (fed and asked inside on_root only); with the
         # node-local level (checkpoint.local, its own estimator) each level has half the overhead budget
         local = getattr(cfg, "local", False)

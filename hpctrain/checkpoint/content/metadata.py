@@ -32,10 +32,7 @@ def root_metadata(nranks, run_config, metrics, reason, step, io_mode, nwriters):
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "created_unix": now,
             "nranks": int(nranks), "nwriters": int(nwriters), "io_mode": io_mode, "hostname": socket.gethostname(),
             "run_config": fmt.to_json(run_config or {}), "metrics": fmt.to_json(metrics or {}), **_versions()}
-    if info.slurm_job_id:
-        meta["slurm_job_id"] = info.slurm_job_id
-    if info.slurm_nodelist:
-        meta["slurm_nodelist"] = info.slurm_nodelist
+    meta.update({key: getattr(info, key) for key in ("slurm_job_id", "slurm_nodelist") if getattr(info, key)})
     return meta
 
 

@@ -20,10 +20,8 @@ def copy_to_partner(comm, own, nbytes, dest, sources, path_of, where):
     Returns ``(bytes stored, error or None)``; ``where``: this rank, as messages name it."""
     from mpi4py import MPI
 
-    requests = []
     size = nbytes if own is not None else -1
-    if dest is not None:
-        requests.append(comm.isend(size, dest=dest, tag=_SIZE))
+    requests = [comm.isend(size, dest=dest, tag=_SIZE)] if dest is not None else []
     sizes = [(q, comm.recv(source=q, tag=_SIZE)) for q in sources]
     MPI.Request.Waitall(requests)
     sends = []
