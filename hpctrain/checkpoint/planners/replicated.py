@@ -35,9 +35,8 @@ class ReplicatedPlanner:
 
     def plan(self, state, info, parallel, buffers=None):
         """This rank's plan; ``buffers`` (a background save): its pieces copied into them."""
-        snap = snapshot.take_snapshot(state, info)
-        plan = plan_snapshot(snap, self.comm.Get_size() if parallel else 1, self.comm.Get_rank(),
-                             io_of(info).alignment)
+        plan = plan_snapshot(snapshot.take_snapshot(state, info), self.comm.Get_size() if parallel else 1,
+                             self.comm.Get_rank(), io_of(info).alignment)
         if buffers is not None:
             copy_own_pieces(plan, buffers, workers=min(4, usable_cpus()))
         return plan

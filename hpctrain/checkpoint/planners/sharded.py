@@ -83,9 +83,8 @@ def plan(state, info, comm, copy=False):
         array, dtype = snapshot.tensor_to_array(tensor, copy)
         entries.append(snapshot.Entry(snapshot.model_path(name), array, {fmt.DTYPE_ATTR: dtype},
                                       finite=name in params))
-    rng = snapshot.rng_entries(info["rng"])
-    base = plan_snapshot(snapshot.Snapshot(entries + rng, dict(info["meta"]), {}), comm.Get_size(), rank,
-                         io_of(info).alignment)
+    base = plan_snapshot(snapshot.Snapshot(entries + snapshot.rng_entries(info["rng"]), dict(info["meta"]), {}),
+                         comm.Get_size(), rank, io_of(info).alignment)
     description, tensors = _description(opt)
     groups = snapshot.optimizer_attrs(description)
     groups.update(snapshot.progress_attrs(state.progress, info["rng"], getattr(state, "scaler", None)))
