@@ -60,12 +60,9 @@ def clean(local_dir, node, checkpoint_dir=None, job=None):
         except OSError:
             names = []
         candidates = [node_dir(os.path.join(local_dir, n), node) for n in names]
-    removed = []
-    for ndir in candidates:
-        if not os.path.isdir(ndir) or (job is not None and _marked_job(ndir) != str(job)):
-            continue
+    removed = [ndir for ndir in candidates if os.path.isdir(ndir) and (job is None or _marked_job(ndir) == str(job))]
+    for ndir in removed:
         remove_node_dir(ndir)
-        removed.append(ndir)
     return removed
 
 
