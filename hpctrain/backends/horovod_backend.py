@@ -278,5 +278,6 @@ class HorovodProcessSetBackend(HorovodBackend):
                                   "(hpctrain.parallel.hybrid.ReplicaBackend.broadcast_state)")
 
     def describe(self):
-        return super().describe().replace("horovod backend", f"horovod backend over process sets of "
-                                          f"{len(self.group)} rank(s)", 1)
+        return (f"horovod backend over process sets of {len(self.group)} rank(s), compression "
+                f"{self.compression}, gradient_predivide_factor {self.gradient_predivide_factor:g}"
+                + (f", {_cycle}" if _cycle else ""))
