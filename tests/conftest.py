@@ -124,3 +124,35 @@ def slurm_multinode():
     sharing the filesystem), started the first time a test asks for it; namespaces and bridge
     are torn down with it."""
     yield from _slurm("hpctrain-mn-", 3, "multi-node Slurm cluster")
+
+
+# ---------------------------------------------------------------- node-local snapshots
+# Runs take node-local snapshots into /dev/shm by default (checkpoint.local = "auto"); those of runs a test
+# killed for good stay there, as on a cluster until an epilog removes them. At its end the suite removes those
+# of its own runs (a part file names its run's checkpoint directory: under this session's temporary folder) and
+# those of runs whose directory is gone, in the controlling process, once every worker is done; another
+# session's, running beside it, stay.
+SHM = "/dev/shm"
+
+
+def _own_snapshot_dirs(basetemp):
+    import glob
+
+    from hpctrain.checkpoint.local import files
+
+    for base in glob.glob(os.path.join(SHM, "hpctrain-*")):
+        for part in glob.glob(os.path.join(base, "*", "step-*", "part-*.bin"))[:1]:
+            try:
+                checkpoints = files.read_trailer(part)["checkpoint_dir"]
+                if checkpoints.startswith(basetemp + os.sep) or not os.path.isdir(checkpoints):
+                    yield base  # or of a run whose directory a test removed: nothing can resume from them
+            except (files.PartDamaged, KeyError, OSError):
+                pass
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the others may still be running
+        return
+    basetemp = str(session.config._tmp_path_factory.getbasetemp())
+    for base in list(_own_snapshot_dirs(basetemp)):
+        shutil.rmtree(base, ignore_errors=True)
