@@ -66,7 +66,7 @@ class LocalLevel:
         self.every = cfg.local_every_steps
         self.interval = (AutoInterval(cfg.max_overhead * budget_share, cfg.mtbf_hours, cfg.local_every_steps)
                          if cfg.auto_interval else None if self.every else AutoInterval(DEFAULT_OVERHEAD))
-        self.last_step, self.announced = None, False
+        self.last_step, self.announced, self.interval_said = None, False, False
 
     def describe(self):
         """The run's first line of the level: on or off (``auto`` without a usable directory), where, its bound."""
@@ -86,8 +86,9 @@ class LocalLevel:
         if self.interval is None:
             return step != last and step - (last or 0) >= self.every
         due = self.interval.due_at(step, now, last)
-        for line in self.interval.changes:
-            print(f"hpctrain: node-local {line}", flush=True)
+        if self.interval.changes and not self.interval_said:  # the first choice; its re-tunings are not news
+            print(f"hpctrain: node-local {self.interval.changes[0]}", flush=True)
+            self.interval_said = True
         self.interval.changes.clear()
         return due
 
