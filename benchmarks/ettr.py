@@ -4,7 +4,8 @@ of the same length, in the same command, is the reference.
 
     python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local] [--out DIR]
 
-ETTR = steps kept / steps the uninterrupted run made in the same wall time. Each run starts from nothing
+ETTR = steps kept / steps the uninterrupted run made in the same wall time; "own rate": steps kept / (the run's
+own steps per second while it trained, from its logged intervals, x its wall time). Each run starts from nothing
 (its first start-up counts, as in the reference) and is stopped after M minutes with SIGUSR1 (hpctrain's stop:
 the ranks save and exit); steps kept are the step of that last checkpoint. Per failure: the restart's cost
 from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown), and the
@@ -115,9 +116,12 @@ def one_run(name, config, minutes, every, out, data):
     if os.path.exists(path):
         records = [json.loads(line) for line in open(path) if line.strip()]
     restarts = restart_events(records)  # steps lost counted from the step each relaunch resumed
+    train = [r for r in records if r.get("kind") == "train" and r.get("steps") and r.get("step_time")]
+    # the run's own rate while it trained (its logged intervals: start-ups and failures left out)
+    own_rate = sum(r["steps"] for r in train) / sum(r["steps"] * r["step_time"] for r in train) if train else None
     return {"name": name, "config": config, "every_s": every, "minutes": minutes, "exit": code,
             "wall_s": round(wall, 1), "steps": final_step(run_dir), "kills_at_s": kills,
-            "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
+            "own_rate": own_rate, "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
             "restart_costs": restart_costs(records), "load_before": load_before, "load_after": os.getloadavg()}
 
 
@@ -130,6 +134,7 @@ def summary(run, reference):
     spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
     lost = [s for s in run["steps_lost"] if isinstance(s, (int, float))]
     return {"ettr": round(run["steps"] / reference["steps"], 3) if reference["steps"] else None,
+            "ettr_own": round(run["steps"] / (run["own_rate"] * run["wall_s"]), 3) if run.get("own_rate") else None,
             "restart_s": spread(costs), "parts_s": {k: spread(v) for k, v in parts.items()},
             "steps_lost": spread(lost), "steps_lost_total": sum(lost)}
 
@@ -160,14 +165,17 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     ref = results["reference"]
     print(f"\nreference: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
-          f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f})")
-    print("| run | ETTR | kills | restarts | restart s, median (min-max) | steps lost per restart | load before/after |")
-    print("|---|---|---|---|---|---|---|")
+          f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while training "
+          f"{summary(ref, ref)['ettr_own']}")
+    print("| run | ETTR | ETTR, own rate | kills | restarts | restart s, median (min-max) | steps lost per restart | "
+          "load before/after |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, run in results.items():
         if name == "reference":
             continue
         s = run["summary"]
-        print(f"| {name} | {s['ettr']} | {len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
+        print(f"| {name} | {s['ettr']} | {s['ettr_own']} | {len(run['kills_at_s'])} | {run['restarts']} | "
+              f"{s['restart_s']} | "
               f"{s['steps_lost']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
     print(f"results: {args.out}/ettr.json")
