@@ -22,6 +22,8 @@ HPCTRAIN_SPARE_CALL        in a warm spare rank: the file whose appearance   uns
                            calls it to go on (``hpctrain launch`` sets it)
 HPCTRAIN_SPARE_OWNER       ``host:pid`` of the supervisor that started a     unset        ``job.spares``
                            spare set: its ranks end when it is gone
+HPCTRAIN_SPARE_NICENESS    the niceness a spare rank started at the lowest   unset        ``job.spares``
+                           priority returns to when called
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``

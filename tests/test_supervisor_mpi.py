@@ -141,6 +141,12 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
     assert code == 0, out[-6000:]
     assert (tmp_path / "killed").exists(), "the kill never happened"
     assert ("hpctrain launch: calling the warm spares 2 rank(s)" in out) == spares, out[-6000:]
+    if spares and os.geteuid() == 0:  # a set waits at the lowest priority (where its ranks may raise it again)
+        assert "spare niceness 19" in (tmp_path / "killed").read_text()
+    # every step trains at the supervisor's priority, the called spares' steps too
+    nice = {json.loads(line)["nice"] for p in (tmp_path / "order").glob("rank-*.jsonl")
+            for line in p.read_text().splitlines()}
+    assert nice == {os.getpriority(os.PRIO_PROCESS, 0)}, nice
     assert ("warm spares ready: 2 rank(s) holding" in out) == spares
     # the set started for a next relaunch is ended with the run: no rank, no file of it left
     assert not (tmp_path / "run" / ".spares").exists()

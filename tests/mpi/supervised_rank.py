@@ -12,12 +12,12 @@ SUPERVISED_KILL_STEP=N: the rank SUPERVISED_KILL_RANK (default 0) SIGKILLs itsel
     RuntimeError there instead (the rank's own failure record, then the abort); =hang: sleep
     for an hour (the watchdog ends the job).
 SUPERVISED_KILL_AFTER=GLOB: before that failure, wait (up to 120 s) for a file matching GLOB to
-    exist (e.g. the warm spares' ready file).
+    exist (e.g. the warm spares' ready file; the marker then also says the niceness of the set's rank 0).
 SUPERVISED_STEP_SLEEP=S: sleep S seconds in every step (a run long enough to signal).
 SUPERVISED_START_HANG=MARKER: rank SUPERVISED_KILL_RANK creates MARKER and sleeps for an hour before
     anything else, MPI included (the other ranks wait in MPI's start-up for it), when MARKER does not exist.
 SUPERVISED_ORDER=DIR: each rank appends ``{"launch", "time", "step", "rank", "size",
-    "samples"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
+    "samples", "nice"}`` lines to DIR/rank-R-PID.jsonl, one per step it trains (``launch``: the
     launcher's pid, the same for every rank of one launch).
 Test hooks only: nothing here is part of hpctrain.
 """
@@ -47,6 +47,21 @@ def _wait_for(pattern, timeout=120):
         time.sleep(0.1)
 
 
+def _spare_niceness(pattern):
+    """The niceness of the rank 0 of the warm spare set whose ready file matches ``pattern`` (it names its pid)."""
+    import glob
+
+    for ready in glob.glob(pattern or ""):
+        try:
+            with open(ready) as f:
+                pid = json.load(f)["pid"]
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat(5)
+        except (OSError, ValueError, KeyError):
+            pass
+    return None
+
+
 def install():
     from hpctrain.training import trainer
 
@@ -63,7 +78,8 @@ def install():
             if not marker or not os.path.exists(marker):
                 _wait_for(os.environ.get("SUPERVISED_KILL_AFTER"))
                 if marker:
-                    _append(marker, f"rank {run.world.rank} killed at step {step}\n")
+                    _append(marker, f"rank {run.world.rank} killed at step {step}; spare niceness "
+                                    f"{_spare_niceness(os.environ.get('SUPERVISED_KILL_AFTER'))}\n")
                 action = os.environ.get("SUPERVISED_ACTION", "kill")
                 if action == "raise":
                     raise RuntimeError(f"injected failure at step {step}")
@@ -76,7 +92,8 @@ def install():
             samples = [int(i) for mb in micro_batches for i in mb]
             _append(os.path.join(order_dir, f"rank-{run.world.rank}-{os.getpid()}.jsonl"),
                     json.dumps({"launch": os.getppid(), "time": time.time(), "step": step, "rank": run.world.rank,
-                                "size": run.world.size, "samples": samples}) + "\n")
+                                "size": run.world.size, "samples": samples,
+                                "nice": os.getpriority(os.PRIO_PROCESS, 0)}) + "\n")
         if step_sleep:
             time.sleep(step_sleep)
         return original(run, micro_batches)
