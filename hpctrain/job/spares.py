@@ -32,8 +32,8 @@ OWNER_SECONDS = 1.0  # how often it checks that its supervisor still runs
 READY_WAIT_SECONDS = 60  # how long a relaunch waits for a set still starting, rather than start cold
 GIVE_UP_AFTER = 3  # sets in a row that end before being called: spares are then left off, and it is said
 # A set starts beside the training, on its cores (a relaunch's new set right after the restart): at the lowest
-# priority its start-up takes what the training leaves (on a 2-core machine 1.5-2 s of training lost per restart
-# otherwise); a called rank goes back to the supervisor's niceness.
+# priority its start-up yields the CPU to the training (memory bandwidth and caches it still shares: measured on 2
+# cores, a starting set still costs the training about a second); a called rank goes back to the supervisor's.
 SET_NICENESS = 19
 
 
