@@ -24,6 +24,8 @@ HPCTRAIN_SPARE_OWNER       ``host:pid`` of the supervisor that started a     uns
                            spare set: its ranks end when it is gone
 HPCTRAIN_SPARE_NICENESS    the niceness a spare rank started at the lowest   unset        ``job.spares``
                            priority returns to when called
+HPCTRAIN_WARM_POOL         ``host:name`` of the warm pool a rank of that      unset        ``job.warmpool``
+                           host is forked from (``hpctrain launch`` sets it)
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``
@@ -37,7 +39,9 @@ Other programs' variables that hpctrain only reads, read here too (:func:`mca`, 
 (``job.relaunch``: mpirun starts no rank as root without both), ``OMPI_MCA_odls_base_sigkill_timeout``
 (``job.launchers``: the user's own grace before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
 (``backends.horovod_backend``: process sets added to a running Horovod) and ``LOADEDMODULES``
-(``commands.doctor``: the modules loaded now, against the site installation's).
+(``commands.doctor``: the modules loaded now, against the site installation's). Those that take effect when
+a library is loaded (:func:`import_time_environment`: the search paths, the thread counts of OpenMP and the BLAS
+libraries, Python's hash seed and buffering) are compared by ``job.warmpool``, whose ranks inherit its imports.
 
 Launcher variables describe the job, not hpctrain, and are read where they are interpreted, as are the
 defaults hpctrain sets for MPI and Horovod where the user has not:
@@ -89,3 +93,14 @@ def horovod(key, environ=None):
 def loaded_modules(environ=None):
     """``LOADEDMODULES`` (``a/1:b/2``, set by Lmod and Environment Modules), or None."""
     return (os.environ if environ is None else environ).get("LOADEDMODULES")
+
+
+# Variables read when Python starts or a library loads, not later: a process forked after its imports keeps them.
+IMPORT_TIME = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH",
+               "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def import_time_environment(environ=None):
+    """The values of :data:`IMPORT_TIME` in ``environ`` (this process's by default), those set."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in IMPORT_TIME if k in env}

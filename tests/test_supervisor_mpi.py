@@ -378,3 +378,86 @@ def test_a_spare_set_that_ends_early_is_replaced_and_the_next_is_called(tmp_path
     while (_pids(run, True) or _pids(run, False)) and time.monotonic() < gone:
         time.sleep(0.1)
     assert not _pids(run, True) and not _pids(run, False)
+
+
+def _children(pid):
+    found = []
+    for entry in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append((int(entry), int(fields[16])))  # (pid, niceness)
+    return found
+
+
+def _called(pid):
+    """Whether the warm spare rank ``pid`` was called (its call file exists)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        call = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)[b"HPCTRAIN_SPARE_CALL"]
+    return os.path.exists(call)
+
+
+def test_the_default_launch_forks_every_rank_from_its_warm_pool(tmp_path, digits):
+    """No --python, no option: the warm pool comes up before the first launch and the first line says what it
+    holds; the ranks, the warm spares and the relaunches are forked from it. A forked training rank killed, then
+    the process mpirun started for a rank (its stand-in) killed: each is a rank's death to the supervisor, which
+    calls the spares, forked again; SIGUSR1 saves and ends the run, and the pool and every rank are gone."""
+    import threading
+    import time
+
+    run = tmp_path / "run"
+    cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "examples/digits.toml", *overrides(run, digits),
+           "train.max_steps=0", "train.epochs=100000", "train.step_timeout=60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(text, count=1):
+        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
+        while sum(text in line for line in lines) < count:
+            assert time.monotonic() < deadline and proc.poll() is None, f"no {text!r}:\n{''.join(lines)[-6000:]}"
+            time.sleep(0.1)
+
+    try:
+        wait_for("warm pool up in")
+        (pool,) = [pid for pid, _ in _children(proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
+        wait_for("warm spares ready: 2 rank(s)")
+        training = [pid for pid, nice in _children(pool) if nice == 0]  # the spares wait at the lowest priority
+        assert len(training) == 2 and len(_children(pool)) == 4, _children(pool)
+        os.kill(training[0], signal.SIGKILL)
+        wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
+        wait_for("hpctrain: resumed from")
+        wait_for("warm spares ready: 2 rank(s)", count=2)
+        stand_in = next(pid for pid in _pids(run, spare=True) if _called(pid))  # of the set called
+        assert _children(stand_in) == [], "a stand-in's rank is the pool's child, not its own"
+        os.kill(stand_in, signal.SIGKILL)
+        wait_for("hpctrain launch: calling the warm spares 2 rank(s)", count=2)
+        wait_for("hpctrain: resumed from", count=2)
+        wait_for("loss", count=sum("loss" in line for line in lines) + 1)  # a step after the resume
+        proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=LAUNCH_TIMEOUT)
+        reader.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    print(out[-3000:])
+    assert proc.returncode == 3, out[-6000:]
+    assert re.search(r"warm pool up in [\d.]+ s, \d+ MiB resident: this host's ranks are forked from it", out)
+    assert "relaunching" not in out and "warm pool not used" not in out
+    restarts = metrics(run, "restart")
+    assert [r["signal"] for r in restarts] == [9, 9], restarts
+    starts = metrics(run, "start")
+    assert [(s["spare"], s["forked"]) for s in starts] == [(False, True), (True, True), (True, True)], starts
+    step = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
+    assert latest_step(run)[0] == step
+    gone = time.monotonic() + 10
+    while _children(pool) or os.path.exists(f"/proc/{pool}") and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert not _children(pool) and not os.path.exists(f"/proc/{pool}")
+    assert not _pids(run, True) and not _pids(run, False)

@@ -50,6 +50,9 @@ def build_parser():
                         help="end and relaunch a launch whose ranks are not through start-up (imports, MPI; rank 0 "
                              "writing the run's config.toml) in this time (default 600; 0: no limit). A TOML "
                              "configuration's ranks only: a script's need not write config.toml")
+    parser.add_argument("--warm-pool", action=argparse.BooleanOptionalAction, default=True,
+                        help="fork this host's ranks (mpirun's) from one process that did their imports once, at "
+                             "every launch, relaunch and spare set (default: on; --no-warm-pool: each rank imports)")
     parser.add_argument("--python", default=None, help="the Python the ranks run (default: this one)")
     parser.add_argument("config", help="TOML configuration file, or a Python training script (.py) that takes "
                                        "section.key=value overrides")

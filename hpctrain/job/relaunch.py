@@ -40,7 +40,7 @@ from ..checkpoint.directory import newest_step
 from ..config import load_config, resolve_global_batch
 from ..errors import EXIT_OTHER, EXIT_STOPPED, ConfigError, HpctrainError
 from ..runtime import slurm
-from . import diagnosis, rundir, spares
+from . import diagnosis, rundir, spares, warmpool
 from .launchers import Mpirun, Srun, changed, run_launch, say
 
 # After a hang on several nodes, how long to wait for Slurm to flag a node that stopped answering (lost_node).
@@ -77,6 +77,7 @@ class LaunchPlan:
     spares: int = 0  # sets of warm spare ranks kept for the next relaunch (:mod:`.spares`)
     start_timeout: float = 0.0  # seconds a launch may take to get through start-up (0: no limit)
     spares_memory: float = 0.0  # MiB of resident memory a spare set may hold (0: any)
+    warm_pool: bool = False  # this host's ranks forked from a process with their imports done (:mod:`.warmpool`)
 
     def rank_command(self, relaunch):
         # a Python script runs as it is, with the same overrides (it takes section.key=value)
@@ -171,7 +172,10 @@ def make_plan(args, environ=None):
                       args.max_restarts, args.min_ranks, args.shrink, args.python or sys.executable,
                       cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
                       cfg.checkpoint.local, spares_kept, float(getattr(args, "start_timeout", 0) or 0),
-                      float(getattr(args, "spares_memory", 0) or 0))
+                      float(getattr(args, "spares_memory", 0) or 0),
+                      # mpirun's ranks of `python -m hpctrain train` (the pool is that Python's, with hpctrain's imports)
+                      getattr(args, "warm_pool", False) and isinstance(launcher, Mpirun) and not is_script(args.config)
+                      and args.python in (None, sys.executable))
 
 
 class Supervisor:
@@ -183,6 +187,7 @@ class Supervisor:
         self.stop_signal = None  # a signal we were sent: passed on, and no relaunch after it
         self.child = None
         owner = {settings.name("SPARE_OWNER"): f"{socket.gethostname()}:{os.getpid()}"}
+        self.pool = warmpool.Pool(plan.python, self.environ, say) if plan.warm_pool else None
         self.spares = spares.Spares(plan.spares, plan.run_dir, dict(self.environ, **self._launch_env(), **owner),
                                     lambda ranks: self.command(ranks, True, spare=True), say,
                                     int(plan.spares_memory * 2**20))
@@ -209,10 +214,11 @@ class Supervisor:
             # a relaunch's step, as the spare set's (the same command, to be called), runs beside other steps
             return p.launcher.command(ranks, hosts, rank_cmd, p.excluded, overlap=relaunch)
         hosts = {h: k for h, k in (p.hosts or {}).items() if h not in p.excluded} if p.excluded else None
-        return p.launcher.command(ranks, hosts, rank_cmd, ("SPARE_CALL", "SPARE_OWNER") if spare else ())
+        exports = (("SPARE_CALL", "SPARE_OWNER") if spare else ()) + (self.pool.exports if self.pool else ())
+        return p.launcher.command(ranks, hosts, rank_cmd, exports)
 
     def _launch_env(self):
-        return {settings.name("FAILURE_FILE"): self.plan.failure_file}
+        return {settings.name("FAILURE_FILE"): self.plan.failure_file, **(self.pool.env() if self.pool else {})}
 
     def launch(self, ranks, relaunch):
         p = self.plan
@@ -234,6 +240,8 @@ class Supervisor:
             return self._supervise()
         finally:
             self.spares.close()
+            if self.pool:
+                self.pool.close()
 
     def _supervise(self):
         p = self.plan
@@ -246,6 +254,12 @@ class Supervisor:
                 f"(memory: about what the ranks hold at start-up, said once up, {bound}; --spares 0: none)") \
             if p.spares else ""
         say(f"run directory {p.run_dir}; up to {p.max_restarts} restart(s), at least {p.min_ranks} rank(s){kept}")
+        if self.pool:  # before the first launch: its ranks are forked from it too
+            self.pool.start()
+            self.pool.wait_up()
+            if self.stop_signal is not None:  # sent while it came up: nothing started, nothing to save
+                say(f"stopped by signal {self.stop_signal} before the first launch; exit status {EXIT_STOPPED}")
+                return EXIT_STOPPED
         while True:
             attempt = self.launch(ranks, relaunch=restarts > 0)
             if attempt.returncode == 0:

@@ -38,7 +38,7 @@ SET_NICENESS = 19
 
 
 # ---------------------------------------------------------------- in the ranks
-def _warm_imports():
+def warm_imports():
     # What a rank would otherwise import after the call: torch's compiler front end, which the first
     # optimizer step imports (about 0.9 s here), and Horovod's torch module (not started: its idle thread spins).
     with contextlib.suppress(ImportError):
@@ -48,7 +48,7 @@ def _warm_imports():
         horovod_backend.import_horovod()
 
 
-def _resident_bytes():
+def resident_bytes():
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -78,8 +78,8 @@ def wait_until_called(world):
     call = settings.get("SPARE_CALL")
     if not call:
         return False
-    _warm_imports()
-    held = world.comm.allreduce(_resident_bytes())
+    warm_imports()
+    held = world.comm.allreduce(resident_bytes())
     if world.is_root:
         _write_json(call + ".ready", {"ranks": world.size, "bytes": held, "pid": os.getpid()})
     owner, checked = settings.get("SPARE_OWNER"), time.monotonic()

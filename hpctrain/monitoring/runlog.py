@@ -12,7 +12,7 @@ import numpy as np
 
 from ..job.rundir import METRICS_FILE
 from ..runtime.replicas import divergent_ranks
-from ..runtime.startup import process_started, was_called
+from ..runtime.startup import forked, process_started, was_called
 from .display import ProgressDisplay
 from .slownodes import SlowRankDetector, work_seconds
 from .timing import PHASES, PhaseTotals as T
@@ -122,6 +122,7 @@ class RunLog:
                            # rank 0's start-up, part by part (hpctrain.runtime.startup): what a relaunch pays
                            "process_started": process_started(), "startup": dict(startup or {}),
                            "spare": was_called(),  # a warm spare set, called: started before it was needed
+                           "forked": forked(),  # from the warm pool (hpctrain.job.warmpool): imports done there
                            "step": start_step})  # where it starts: after a restart, the step it resumed
 
     def _times(self):

@@ -15,13 +15,17 @@ _clock = time.time
 _marks = {}  # part -> the time it ended
 _since = None  # where the next take() begins: the process start, then the previous take()
 _called = None  # when this process, a warm spare, was called: its start-up counts from then
+_started = None  # when the process this one stands for started (a rank forked from the warm pool)
 
 
 def process_started():
     """When this process started (seconds since the epoch; Linux /proc), or None where unknown; for a warm
-    spare (:mod:`hpctrain.job.spares`), when it was called."""
+    spare (:mod:`hpctrain.job.spares`), when it was called; for a rank forked from the warm pool, when the process
+    mpirun started for it did."""
     if _called is not None:
         return _called
+    if _started is not None:
+        return _started
     ticks = proc_state(os.getpid())[1]
     try:  # the start in clock ticks since boot, against the uptime now (/proc/stat's btime is whole seconds)
         with open("/proc/uptime") as f:
@@ -29,6 +33,18 @@ def process_started():
     except (OSError, ValueError, IndexError):
         return None
     return None if ticks is None else time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def started_at(seconds):
+    """This process stands for one started at ``seconds`` (since the epoch): a rank forked from the warm pool
+    (:mod:`hpctrain.job.warmpool`) for the process mpirun started then."""
+    global _started
+    _started = seconds
+
+
+def forked():
+    """Whether this process is a rank forked from the warm pool (:func:`started_at`)."""
+    return _started is not None
 
 
 def mark(part):
