@@ -40,8 +40,9 @@ Other programs' variables that hpctrain only reads, read here too (:func:`mca`, 
 (``job.launchers``: the user's own grace before Open MPI kills the ranks of a failed launch is kept), ``HOROVOD_DYNAMIC_PROCESS_SETS``
 (``backends.horovod_backend``: process sets added to a running Horovod) and ``LOADEDMODULES``
 (``commands.doctor``: the modules loaded now, against the site installation's). Those that take effect when
-a library is loaded (:func:`import_time_environment`: the search paths, the thread counts of OpenMP and the BLAS
-libraries, Python's hash seed and buffering) are compared by ``job.warmpool``, whose ranks inherit its imports.
+a program or library is loaded (:func:`import_time_environment`: search paths, the thread counts of OpenMP and
+the BLAS libraries, glibc's allocator settings, Python's hash seed and buffering) are compared by
+``job.warmpool``, whose ranks inherit its imports.
 
 Launcher variables describe the job, not hpctrain, and are read where they are interpreted, as are the
 defaults hpctrain sets for MPI and Horovod where the user has not:
@@ -97,7 +98,8 @@ def loaded_modules(environ=None):
 
 # Variables read when Python starts or a library loads, not later: a process forked after its imports keeps them.
 IMPORT_TIME = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH",
-               "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+               "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GLIBC_TUNABLES",
+               "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def import_time_environment(environ=None):

@@ -9,6 +9,8 @@
 * :mod:`.diagnosis`: what failed in a launch (the ranks' records, the launcher's output), and if a relaunch helps;
 * :mod:`.relaunch`: ``hpctrain launch``'s supervision: launch, read what failed, relaunch or stop;
 * :mod:`.spares`: warm spare ranks: the next launch started ahead of need, called on a failure;
+* :mod:`.warmpool`: the warm pool: one process with a rank's imports done, from which ``hpctrain launch`` forks
+  the ranks of its host (``python -m hpctrain`` asks it first);
 * :mod:`.standby`: ``python -m hpctrain.job.standby``, a supervisor on a second node that takes the job over
   when Slurm loses its first node (``slurm/resilient.sbatch`` starts it).
 """

@@ -173,7 +173,7 @@ def make_plan(args, environ=None):
                       cfg.train.global_batch_size, cfg.train.accumulation, cfg.train.lr_scaling, excluded,
                       cfg.checkpoint.local, spares_kept, float(getattr(args, "start_timeout", 0) or 0),
                       float(getattr(args, "spares_memory", 0) or 0),
-                      # mpirun's ranks of `python -m hpctrain train` (the pool is that Python's, with hpctrain's imports)
+                      # mpirun's ranks of `python -m hpctrain train` (the pool is that Python's, with its imports)
                       getattr(args, "warm_pool", False) and isinstance(launcher, Mpirun) and not is_script(args.config)
                       and args.python in (None, sys.executable))
 

@@ -133,8 +133,8 @@ def _stand_in(sock, pid):
 
 # ---------------------------------------------------------------- the pool
 def _serve(name, warm):
-    """The pool: warm up (``warm()``: the command's imports), say so, fork a rank for each request until the supervisor is gone and no rank runs.
-    Returns (in a forked rank only) the arguments that rank runs."""
+    """The pool: warm up (``warm()``: the command's imports), say so, fork a rank for each request until the
+    supervisor is gone and no rank runs. Returns (in a forked rank only) the arguments that rank runs."""
     from . import spares
 
     parent = os.getppid()
