@@ -73,6 +73,8 @@ def enter(argv, warm):
     host, _, name = (settings.get("WARM_POOL") or "").partition(":")
     if not name or argv[:1] != ["train"] or host != socket.gethostname():
         return argv
+    pending = []  # signals sent while the pool is asked: the rank's, once there is one
+    held = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in FORWARDED}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(REPLY_SECONDS)
@@ -81,13 +83,20 @@ def enter(argv, warm):
         reply, _ = _receive(sock)
     except OSError:
         reply = None
-    if not reply or "pid" not in reply:
-        sock.close()
-        if reply:
-            print(f"hpctrain: warm pool not used ({reply.get('refused')}): starting cold", file=sys.stderr, flush=True)
-        return argv
-    sock.settimeout(None)
-    _stand_in(sock, reply["pid"])
+    if reply and "pid" in reply:
+        sock.settimeout(None)
+        _stand_in(sock, reply["pid"], pending)
+    sock.close()
+    if reply:
+        print(f"hpctrain: warm pool not used ({reply.get('refused')}): starting cold", file=sys.stderr, flush=True)
+    for sig, handler in held.items():
+        signal.signal(sig, handler)
+    if pending:  # taken as `hpctrain train` takes them from its first line on (a stop request), or as they come
+        from . import preemption
+        preemption.install()
+        for sig in pending:
+            os.kill(os.getpid(), sig)
+    return argv
 
 
 def _request(argv):
@@ -105,8 +114,9 @@ def _umask():
     return mask
 
 
-def _stand_in(sock, pid):
-    """Until the forked rank ``pid`` ends: pass the signals this process gets on to it; then end alike."""
+def _stand_in(sock, pid, pending):
+    """Until the forked rank ``pid`` ends: pass the signals this process gets (and got: ``pending``) on to it;
+    then end alike. Never returns."""
     def forward(signum, frame):
         try:
             os.kill(pid, signum)
@@ -115,6 +125,8 @@ def _stand_in(sock, pid):
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    for sig in pending:
+        forward(sig, None)
     record, _ = _receive(sock)
     if record is None:  # the pool is gone, and with it whoever would say how the rank ended
         forward(signal.SIGKILL, None)
