@@ -152,8 +152,11 @@ def _serve(name, warm):
     parent = os.getppid()
     spares.warm_imports()  # torch's compiler front end and Horovod, as a spare rank does before its call
     warm()
-    if "mpi4py.MPI" in sys.modules:  # MPI started here would be every forked rank's, shared: never
-        print("hpctrain: the warm pool's imports started MPI: no warm pool", file=sys.stderr, flush=True)
+    torch = sys.modules.get("torch")
+    # MPI or CUDA started here would be every forked rank's, shared (CUDA refuses to run in a forked child): never
+    started = "MPI" if "mpi4py.MPI" in sys.modules else "CUDA" if torch and torch.cuda.is_initialized() else None
+    if started:
+        print(f"hpctrain: the warm pool's imports started {started}: no warm pool", file=sys.stderr, flush=True)
         return os._exit(1)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(_address(name))
