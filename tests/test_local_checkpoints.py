@@ -204,3 +204,61 @@ def test_auto_keeps_the_level_only_where_its_snapshots_fit_in_half_the_free_spac
     assert why == "3 snapshots with their copies need 12.0 MiB of /dev/shm on n2, more than half of its 23.0 MiB free"
     # one node: no copies on another node, so only its own parts
     assert level.short_of_room([(mib, 13 * mib)] * 2, ["vm", "vm"], [None, None], "/tmp") is None
+
+
+def _level_of(tmp_path, off=None):
+    """What :func:`level.write_alone` reads of a level (pure logic: no MPI, no other rank)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(off=off, ndir=str(tmp_path / "shm" / "n1"), checkpoint_dir=str(tmp_path / "ckpt"),
+                           world=SimpleNamespace(node="n1"))
+
+
+def test_a_survivor_writes_its_whole_state_alone_as_a_snapshot_of_one_part(tmp_path):
+    import torch
+
+    from hpctrain.state import Progress, TrainState
+
+    model = torch.nn.Linear(4, 3)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), Progress(step=7))
+    lv = _level_of(tmp_path)
+    assert level.write_alone(lv, state) == (7, None)
+    (found,) = localfiles.scan_node(lv.ndir, lv.checkpoint_dir)
+    assert found[:3] == (7, 0, 1)  # step 7, owner 0 of 1 part: a recovery needs no other rank's
+    step, chosen, _ = localfiles.choose({0: [found]}, 0)
+    assert step == 7 and list(chosen) == [0]
+    meta = localfiles.read_trailer(found[3])
+    weight = next(d for d in meta["datasets"] if d["path"].endswith("weight"))
+    assert weight["region"] == [[0, 3], [0, 4]]  # every row of it
+    # a snapshot of that step there already (the ranks' own): left as it is
+    assert level.write_alone(lv, state) == (7, "a snapshot of step 7 is there already")
+
+
+def test_a_survivor_with_a_non_finite_parameter_or_no_level_keeps_nothing(tmp_path):
+    import torch
+
+    from hpctrain.state import Progress, TrainState
+
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    state = TrainState(model, None, Progress(step=5))
+    lv = _level_of(tmp_path)
+    step, why = level.write_alone(lv, state)
+    assert step == 5 and "holds NaN or infinity" in why and "bias" in why
+    assert localfiles.steps_on_node(lv.ndir) == []
+    assert level.write_alone(_level_of(tmp_path, off="no room"), state) == (5, "the node-local level is off (no room)")
+
+
+def test_survivors_keep_their_state_only_where_one_rank_holds_the_runs():
+    import torch
+
+    from hpctrain.job.survivor import unsuited
+
+    cfg = load_config("examples/digits.toml", [])
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    assert unsuited(cfg, mlp, whole=True) is None
+    assert "no rank holds the whole state" in unsuited(cfg, mlp, whole=False)
+    assert "running_mean" in unsuited(cfg, torch.nn.Sequential(torch.nn.BatchNorm1d(3)), whole=True)
+    local_sgd = load_config("examples/local_sgd.toml", [])
+    assert unsuited(local_sgd, mlp, whole=True).startswith('comm.mode = "local_sgd"')

@@ -461,3 +461,61 @@ def test_the_default_launch_forks_every_rank_from_its_warm_pool(tmp_path, digits
         time.sleep(0.1)
     assert not _children(pool) and not os.path.exists(f"/proc/{pool}")
     assert not _pids(run, True) and not _pids(run, False)
+
+
+def test_a_failed_ranks_survivor_keeps_the_state_of_its_last_step(tmp_path, digits):
+    """The default launch (warm pool), no snapshot or checkpoint file during the run: a training rank SIGKILLed
+    mid-run, the survivor writes the state of the last step it finished, the relaunch resumes from that step (the
+    last logged one, or the one after it) and ends with the parameters of an uninterrupted run, bit for bit."""
+    import threading
+    import time
+
+    steps = 600
+    config = ["examples/digits.toml", f"data.path={digits}", f"train.max_steps={steps}", "train.epochs=100000",
+              "train.global_batch_size=48", "checkpoint.every_steps=100000", "checkpoint.on_epoch_end=false",
+              "checkpoint.local_every_steps=100000", "monitor.log_every=1", "monitor.progress=log", "data.val=none"]
+    base = tmp_path / "reference"
+    mpirun(2, ["-m", "hpctrain", "train", *config, f"run.run_dir={base}"], timeout=LAUNCH_TIMEOUT, check=True)
+    reference = tensors(Path(base) / "checkpoints" / (Path(base) / "checkpoints" / "latest").read_text().strip())
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--spares", "0", *config,
+                             f"run.run_dir={run}"], cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
+        while not (run / "metrics.jsonl").exists() or not [r for r in metrics(run, "train") if r["step"] >= 150]:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-6000:]
+            time.sleep(0.02)
+        (pool,) = [pid for pid, _ in _children(proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
+        ranks = [pid for pid, _ in _children(pool)]
+        assert len(ranks) == 2, ranks
+        os.kill(RNG.choice(ranks), signal.SIGKILL)
+        time.sleep(0.5)  # what was logged before the kill: the survivor, waiting for the dead rank, logs no more
+        logged = max(r["step"] for r in metrics(run, "train"))
+        proc.wait(timeout=LAUNCH_TIMEOUT)
+        reader.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    print(out[-3000:])
+    assert proc.returncode == 0, out[-6000:]
+    assert "a failed rank costs the step in flight: a rank that survives it writes the state" in out
+    kept = re.search(r"hpctrain launch: rank (\d), a survivor, wrote the state of step (\d+) to the node-local level",
+                     out)
+    assert kept, out[-6000:]
+    step = int(kept.group(2))
+    assert logged <= step <= logged + 1, (logged, step)
+    assert f"recovered step {step} from the node-local checkpoints" in out
+    assert f"resuming from step {step} (a survivor's state)" in out
+    (restart,) = metrics(run, "restart")
+    assert (restart["kept_step"], restart["resume_step"]) == (step, step), restart
+    assert [s["step"] for s in metrics(run, "start")] == [0, step]
+    got = tensors(Path(run) / "checkpoints" / (Path(run) / "checkpoints" / "latest").read_text().strip())
+    assert sorted(got) == sorted(reference)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)

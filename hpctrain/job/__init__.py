@@ -11,6 +11,7 @@
 * :mod:`.spares`: warm spare ranks: the next launch started ahead of need, called on a failure;
 * :mod:`.warmpool`: the warm pool: one process with a rank's imports done, from which ``hpctrain launch`` forks
   the ranks of its host (``python -m hpctrain`` asks it first);
+* :mod:`.survivor`: when a rank dies, a rank that survives it writes the state of its last step (the pool asks);
 * :mod:`.standby`: ``python -m hpctrain.job.standby``, a supervisor on a second node that takes the job over
   when Slurm loses its first node (``slurm/resilient.sbatch`` starts it).
 """

@@ -265,6 +265,9 @@ class Supervisor:
             if attempt.returncode == 0:
                 say(f"done after {restarts} restart(s); run directory {p.run_dir}")
                 return 0
+            said, kept = self.pool.settle() if self.pool else ([], None)  # a survivor's state, before a resume
+            for line in said:
+                say(line)
             hosts = _job_hosts(attempt.metrics)
             failed = diagnosis.stalled(attempt.stalled) if attempt.stalled else \
                 diagnosis.diagnose(attempt.returncode, attempt.records, diagnosis.launcher_events(attempt.tail), hosts)
@@ -288,7 +291,7 @@ class Supervisor:
                     f"exit status {EXIT_STOPPED} (a new job resumes from the newest checkpoint)")
                 return EXIT_STOPPED
             restarts += 1
-            text, record = restart_record(p, restarts, failed, ranks, after, attempt, why)
+            text, record = restart_record(p, restarts, failed, ranks, after, attempt, why, kept)
             say(text)
             self._write_metrics(record)
             ranks = after
@@ -396,12 +399,12 @@ def fitting_ranks(p, most):
     return None
 
 
-def restart_record(p, n, failed, before, after, attempt, why):
-    """``(line to say, metrics.jsonl record)`` of the ``n``-th restart."""
+def restart_record(p, n, failed, before, after, attempt, why, kept=None):
+    """``(line to say, metrics.jsonl record)`` of the ``n``-th restart; ``kept``: the step a survivor wrote."""
     failed_step = max((r["step"] for r in attempt.metrics if isinstance(r.get("step"), int)), default=None)
     if failed.step is not None:  # a hang names the step in progress
         failed_step = max(failed_step or 0, failed.step - 1)
-    resume = newest_step(p.checkpoint_dir)
+    resume = max(newest_step(p.checkpoint_dir), kept or 0)
     lost = None if failed_step is None else max(0, failed_step - resume)
     changes = []
     if after != before:
@@ -418,13 +421,15 @@ def restart_record(p, n, failed, before, after, attempt, why):
                            f"x {before} (set train.lr_scaling = \"none\" and the learning rate you want to "
                            f"keep the training the same on any number of ranks)")
     text = (f"{failed.describe()}; restart {n} of at most {p.max_restarts}: {before} -> {after} rank(s) ({why}); "
-            + (f"resuming from step {resume} (the newest checkpoint file) or a newer node-local snapshot, "
+            + (f"resuming from step {resume} (a survivor's state), {'?' if lost is None else lost} step(s) lost"
+               if kept is not None and resume == kept else
+               f"resuming from step {resume} (the newest checkpoint file) or a newer node-local snapshot, "
                f"{'?' if lost is None else lost} step(s) lost at most" if p.local_level else
                f"resuming from step {resume}, {'?' if lost is None else lost} step(s) lost")
             + "".join(f"; {c}" for c in changes))
     return text, {"kind": "restart", "restart": n, "cause": failed.cause, **_failure_fields(failed),
                   "ranks_before": before, "ranks_after": after, "decision": why, "excluded": list(p.excluded),
-                  "failed_step": failed_step, "resume_step": resume, "steps_lost": lost,
+                  "failed_step": failed_step, "resume_step": resume, "steps_lost": lost, "kept_step": kept,
                   "launch_seconds": round(attempt.seconds, 3), "launch_ended": attempt.ended or None,
                   "changes": changes}
 

@@ -26,10 +26,12 @@ import sys
 import time
 
 from .. import settings
+from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED
 
 SERVE_FLAG = "--warm-pool-serve"  # ``python -m hpctrain --warm-pool-serve NAME``: the pool's own command line
 READY = "ready"  # the pool's first line on its standard output, once its imports are done
 REPLY_SECONDS = 10.0  # a pool that does not answer a rank this soon is passed over (the rank starts cold)
+SAVE_SECONDS = 2.0  # a survivor asked for its state (:mod:`.survivor`) is ended this long after its launch at most
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT,
              signal.SIGQUIT, signal.SIGTSTP)
 
@@ -60,6 +62,31 @@ def _receive(sock, max_fds=0):
 
 def _address(name):
     return "\0" + name  # Linux's abstract namespace: no file to clean up; who may connect is checked (SO_PEERCRED)
+
+
+def _connect(name, record, timeout):
+    """A connection to pool ``name`` that sent ``record``, or None."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(_address(name))
+        _send(sock, record)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def offer_channel():
+    """In a rank forked from the pool: a connection on which the pool may ask for its state, or None."""
+    name = (settings.get("WARM_POOL") or "").partition(":")[2]
+    sock = _connect(name, {"offer": True}, REPLY_SECONDS) if name else None
+    if sock is not None:
+        sock.settimeout(None)
+    return sock
+
+
+receive, send = _receive, _send
 
 
 # ---------------------------------------------------------------- in the rank mpirun started
@@ -168,37 +195,122 @@ def _serve(name, warm):
     signal.set_wakeup_fd(wake_w)
     gc.freeze()  # the objects of the imports are shared with every rank: no collection copies their pages
     print(READY, spares.resident_bytes(), flush=True)
-    _POOL["pid"], ranks = os.getpid(), _POOL["ranks"]  # connection -> the pid of the rank forked for it
-    while os.getppid() == parent or ranks:
-        readable, _, _ = select.select([listener, wake_r, *ranks], [], [], 1.0)
+    _POOL["pid"], ranks, saves = os.getpid(), _POOL["ranks"], _POOL["saves"]  # ranks: connection -> pid
+    while os.getppid() == parent or ranks or saves.doomed:
+        readable, _, _ = select.select([listener, wake_r, *ranks, *saves.offers], [], [], saves.timeout())
         if wake_r in readable:
             os.read(wake_r, 4096)
-        _reap(ranks)
+        _reap(ranks, saves)
         for conn in [c for c in readable if c in ranks]:
             with contextlib.suppress(OSError):
                 if conn.recv(1):
                     continue
-            _kill(ranks.pop(conn))  # the rank's stand-in is gone (killed with its launch): so goes the rank
+            pid = ranks.pop(conn)
             conn.close()
+            if not saves.spared(pid):  # the rank's stand-in is gone (killed with its launch): so goes the rank
+                _kill(pid)
+        for conn in [c for c in readable if c in saves.offers]:
+            saves.answered(conn)
+        saves.tick()
         if listener in readable:
-            argv = _take(listener, ranks, (listener, wake_r, wake_w))
+            argv = _take(listener, ranks, saves, (listener, wake_r, wake_w))
             if argv is not None:
                 return argv
     return os._exit(0)
 
 
-_POOL = {"pid": None, "ranks": {}}  # the pool's pid, and its ranks by connection (for _end)
+class _Saves:
+    """The pool's side of the survivors' state (:mod:`.survivor`): the launch each rank belongs to, the ranks
+    that offered to keep their state, the one asked (the lowest rank that offered) when a rank of its launch ends
+    abnormally or the launch is torn down, its kill held back until it answers (at most :data:`SAVE_SECONDS`),
+    and the supervisor's wait for the answers (:meth:`Pool.settle`)."""
+
+    def __init__(self):
+        self.launch = {}  # rank pid -> (the launch's PMIx namespace, rank)
+        self.offers = {}  # offer connection -> rank pid
+        self.asked = {}  # launch -> {"pid", "rank", "deadline", "answer"}
+        self.doomed = {}  # asked rank pid -> deadline: its stand-in is gone, its kill waits for its answer
+        self.waiting, self.said, self.kept = [], [], None  # the supervisor's connections, what to tell it
+
+    def joined(self, pid, env):
+        from ..runtime.world import launch_of
+
+        launch, rank = launch_of(env)
+        self.launch[pid] = (launch, -1 if rank is None else rank)
+
+    def ended(self, pid, alive):
+        """Rank ``pid``'s launch is failing (it ended abnormally, or its stand-in is gone): ask a survivor."""
+        launch = self.launch.get(pid, ("", -1))[0]
+        if not launch or launch in self.asked:
+            return
+        offered = sorted((self.launch[p][1], p, c) for c, p in self.offers.items()
+                         if self.launch.get(p, ("",))[0] == launch and (alive or p != pid))
+        for rank, survivor, conn in offered:
+            with contextlib.suppress(OSError):
+                _send(conn, {"save": True})
+                self.asked[launch] = {"pid": survivor, "rank": rank, "answer": None,
+                                      "deadline": time.monotonic() + SAVE_SECONDS}
+                return
+
+    def spared(self, pid):
+        """``pid``'s stand-in is gone: True if its kill waits for its answer."""
+        self.ended(pid, alive=True)
+        for a in self.asked.values():
+            if a["pid"] == pid and a["answer"] is None:
+                self.doomed[pid] = a["deadline"]
+                return True
+        return False
+
+    def answered(self, conn):
+        pid, record = self.offers.pop(conn), None
+        with contextlib.suppress(OSError, ValueError):
+            record, _ = _receive(conn)
+        conn.close()
+        self._settled(pid, record or {"why": "it ended before it answered"})
+
+    def _settled(self, pid, answer):
+        for a in self.asked.values():
+            if a["pid"] == pid and a["answer"] is None:
+                a["answer"] = answer
+                if answer.get("written"):
+                    self.kept = max(self.kept or 0, answer["step"])
+                step = f"the state of step {answer['step']}" if "step" in answer else "its state"
+                self.said.append(f"rank {a['rank']}, a survivor, wrote {step} to the node-local level in "
+                                 f"{answer['seconds']:.2f} s" if answer.get("written") else
+                                 f"rank {a['rank']}, a survivor, did not keep {step}: {answer['why']}")
+        if self.doomed.pop(pid, None) is not None:
+            _kill(pid)
+
+    def tick(self):
+        now = time.monotonic()
+        for a in self.asked.values():
+            if a["answer"] is None and now >= a["deadline"]:
+                self._settled(a["pid"], {"why": f"no answer in {SAVE_SECONDS:g} s"})
+        if self.waiting and all(a["answer"] is not None for a in self.asked.values()):
+            for conn in self.waiting:
+                with contextlib.suppress(OSError):
+                    _send(conn, {"said": self.said, "kept": self.kept})
+                conn.close()
+            self.waiting, self.said, self.kept = [], [], None
+
+    def timeout(self):
+        pending = [a["deadline"] for a in self.asked.values() if a["answer"] is None]
+        return max(0.01, min([1.0] + [d - time.monotonic() for d in pending]))
+
+
+_POOL = {"pid": None, "ranks": {}, "saves": _Saves()}  # the pool's pid, its ranks by connection, ... (for _end)
 
 
 def _end(signum, frame):
     if os.getpid() == _POOL["pid"]:  # not a rank just forked, before it took the default back
-        for pid in _POOL["ranks"].values():
+        for pid in [*_POOL["ranks"].values(), *_POOL["saves"].doomed]:
             _kill(pid)
     os._exit(128 + signum)
 
 
-def _take(listener, ranks, own):
-    """Accept one request; fork its rank. In the forked rank, its arguments; in the pool, None."""
+def _take(listener, ranks, saves, own):
+    """Accept one request; fork its rank (or take a rank's offer, or the supervisor's wait: :class:`_Saves`). In
+    the forked rank, its arguments; in the pool, None."""
     conn, _ = listener.accept()
     conn.settimeout(REPLY_SECONDS)
     try:
@@ -206,6 +318,15 @@ def _take(listener, ranks, own):
         request, fds = _receive(conn, max_fds=3)
     except (OSError, ValueError):
         conn.close()
+        return None
+    if request and uid == os.getuid() and (request.get("offer") or request.get("settle")) and not fds:
+        conn.settimeout(None)
+        if request.get("settle"):
+            saves.waiting.append(conn)
+        elif pid in ranks.values():
+            saves.offers[conn] = pid
+        else:
+            conn.close()
         return None
     why = _refusal(request, uid, fds)
     if why:
@@ -219,7 +340,7 @@ def _take(listener, ranks, own):
     sys.stderr.flush()
     child = os.fork()
     if child == 0:
-        for c in ranks:
+        for c in (*ranks, *saves.offers, *saves.waiting):
             c.close()
         listener.close()
         conn.close()
@@ -232,6 +353,7 @@ def _take(listener, ranks, own):
         _send(conn, {"pid": child})
     conn.settimeout(None)
     ranks[conn] = child
+    saves.joined(child, request["env"])
     return None
 
 
@@ -278,8 +400,8 @@ def _become(request, fds):
     return request["argv"]
 
 
-def _reap(ranks):
-    """Tell each ended rank's stand-in how it ended."""
+def _reap(ranks, saves):
+    """Tell each ended rank's stand-in how it ended; a rank that failed has its survivors asked for their state."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -287,10 +409,14 @@ def _reap(ranks):
             return
         if pid == 0:
             return
+        code = os.waitstatus_to_exitcode(status)
+        if code not in (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_DIVERGED):  # bad input or divergence: on
+            # every rank, and no state worth resuming from; a stop has saved already
+            saves.ended(pid, alive=False)
         for conn, rank in list(ranks.items()):
             if rank == pid:
                 with contextlib.suppress(OSError):
-                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                    _send(conn, {"exit": code})
                 conn.close()
                 del ranks[conn]
 
@@ -345,6 +471,20 @@ class Pool:
         else:
             self.say(f"warm pool not up after {time.monotonic() - self.started:.0f} s: the ranks start cold")
         return self.up
+
+    def settle(self):
+        """After a failed launch: wait for the survivors' saves the pool asked for (at most :data:`SAVE_SECONDS`
+        and one more); ``(what the pool says of them, the newest step one wrote or None)``."""
+        sock = _connect(self.name, {"settle": True}, SAVE_SECONDS + 1.0) if self.up else None
+        if sock is None:
+            return [], None
+        with sock:
+            try:
+                record, _ = _receive(sock)
+            except OSError:  # it did not answer in time: the relaunch resumes from what is there
+                record = None
+        record = record or {}
+        return record.get("said", []), record.get("kept")
 
     def close(self):
         if self.child is None or self.child.poll() is not None:

@@ -47,6 +47,12 @@ def launch_info(environ=None):
     return LaunchInfo("none", **job)
 
 
+def launch_of(environ):
+    """``(launch, rank)``: which launch a rank's environment belongs to (mpirun's PMIx namespace, "" where none
+    is set) and its rank in it (None where unknown)."""
+    return environ.get("PMIX_NAMESPACE", ""), launch_info(environ).rank
+
+
 def launch_problems(info, mpi_rank, mpi_size):
     """Why the MPI world disagrees with the launcher, as messages with a HINT (pure)."""
     problems = []

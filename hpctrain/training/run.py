@@ -1,5 +1,6 @@
 """One call of :meth:`hpctrain.Trainer.fit`: what set-up built (:mod:`.setup`) and what the loop
 carries from step to step; why an epoch of training returned; how the callbacks are told."""
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -32,6 +33,8 @@ class Run:
     evaluated_at: Optional[int] = None  # the step of the last evaluation
     early_stop: Any = None  # train.early_stop_patience: hpctrain.training.recipes.EarlyStop
     stop_early: Any = None  # the event of the evaluation that spent the patience
+    # Held while a step's update and its count change the state: a survivor's save (hpctrain.job.survivor) waits
+    settling: Any = field(default_factory=threading.Lock)
 
     @property
     def backend(self):

@@ -134,13 +134,16 @@ def _step(run, micro_batches):
     base = run.base_lr * progress.extra.get(nonfinite.LR_FACTOR, 1.0)  # lowered by non-finite rollbacks
     lr = set_lr(run.state.optimizer, learning_rate(t, base, progress.step, run.decay_steps))
     with run.watchdog.step(progress.step + 1):
-        run.last_loss, bad = _train_step(run, micro_batches)
-    if bad is None:
-        run.skips = 0
-    elif nonfinite.handle(run, bad) == ROLLED_BACK:
-        return ROLLED_BACK
-    progress.step += 1
-    progress.samples_in_epoch += run.sampler.global_batch
+        run.last_loss, bad = _train_step(run, micro_batches)  # returns holding run.settling
+    try:
+        if bad is None:
+            run.skips = 0
+        elif nonfinite.handle(run, bad) == ROLLED_BACK:
+            return ROLLED_BACK
+        progress.step += 1
+        progress.samples_in_epoch += run.sampler.global_batch
+    finally:
+        run.settling.release()
     step_metrics = {"loss": run.last_loss, "lr": lr, "epoch": progress.epoch, "step": progress.step}
     fresh = None  # metrics go to the checkpoints only on the step that measured them
     if t.eval_every and progress.step % t.eval_every == 0 and run.val is not None:
@@ -156,7 +159,8 @@ def _step(run, micro_batches):
 
 
 def _train_step(run, micro_batches):
-    """Forward/backward, average, apply; the mean loss and the first non-finite parameter (None if none)."""
+    """Forward/backward, average, apply; the mean loss and the first non-finite parameter (None if none). Returns
+    holding ``run.settling`` (taken once the gradients are averaged: the state changes from there)."""
     steps, state, timer = run.steps, run.state, run.timer
     seed_step(state.progress.seed, state.progress.step, run.world.rank)
     total = 0.0
@@ -165,6 +169,7 @@ def _train_step(run, micro_batches):
     step = state.progress.step + 1
     with timer.phase("allreduce_wait"):
         apply = steps.synchronize(state, step)
+    run.settling.acquire()
     with timer.phase("optimizer"):
         bad = None
         if not steps.grads_finite(state, apply):
@@ -182,8 +187,9 @@ def _train_step(run, micro_batches):
 def _end_epoch(run):
     progress = run.state.progress
     run.state.comm_mode.align_replicas(progress.step)  # one model to evaluate and save
-    progress.epoch += 1
-    progress.samples_in_epoch = 0
+    with run.settling:
+        progress.epoch += 1
+        progress.samples_in_epoch = 0
     if run.val is not None:
         evaluate(run)
         _count_evaluation(run)

@@ -26,8 +26,8 @@ from ...runtime import fsutil, slurm
 from ...runtime.coordination import everywhere, on_root
 from .. import commit, directory
 from ..content import format as fmt
-from ..content import metadata
-from ..content.plan import DatasetPlan, WritePlan, mark_finite, refuse_nonfinite
+from ..content import metadata, snapshot
+from ..content.plan import DatasetPlan, WritePlan, mark_finite, plan_snapshot, refuse_nonfinite
 from ..interval import AutoInterval
 from ..io.iosettings import io_settings_for
 from . import files
@@ -191,6 +191,31 @@ class LocalLevel:
             log.warning("the newest state (step %d) is only in the node-local checkpoints under %s: kept, "
                         "for a resume on the same nodes", newest, self.base)
         self.comm.Free()
+
+
+def write_alone(level, state, run_config=None):
+    """This rank's whole data-parallel state, written by this rank alone (the others may be gone) as a snapshot
+    of one part at the step it finished last: a survivor's (:mod:`hpctrain.job.survivor`). Nothing collective.
+    Returns ``(step, why not)``: ``why not`` None once the part is in place; else nothing is left of it."""
+    step = state.progress.step
+    if level.off:
+        return step, f"the node-local level is off ({level.off})"
+    if os.path.exists(files.step_dir(level.ndir, step)):  # the ranks' own snapshot of it, whole or being written
+        return step, f"a snapshot of step {step} is there already"
+    info = {"meta": metadata.root_metadata(1, run_config, None, "survivor", step, "local", 1),
+            "rng": metadata.rng_states()}
+    plan = plan_snapshot(snapshot.take_snapshot(state, info), 1, 0)
+    mark_finite(plan)
+    try:
+        _, bad = files.write_part(files.part_path(level.ndir, step, 0), plan, 0, step, 1, level.checkpoint_dir,
+                                  level.world.node)
+    except OSError as exc:
+        bad = exc
+    if bad:  # a damaged replica is never the one restored from
+        shutil.rmtree(files.step_dir(level.ndir, step), ignore_errors=True)
+        return step, (f"writing it: {bad}" if isinstance(bad, OSError) else
+                      f"its /{plan.datasets[bad[0]].path} holds NaN or infinity")
+    return step, None
 
 
 def _write_with_copies(level, plan, step):
