@@ -338,6 +338,21 @@ def test_stop_on_request_is_passed_on_and_divergence_is_not_restarted(tmp_path, 
     assert "not restarted: training diverged" in capsys.readouterr().err
 
 
+def test_a_stop_that_comes_after_a_failed_launch_ends_for_a_requeue(tmp_path, capsys):
+    """SIGTERM or SIGUSR1 that reaches the supervisor once a launch has failed (its ranks gone: nothing to pass it
+    on to) stops before the relaunch with exit status 3, as one sent while deciding; not with the launch's 1."""
+    class StoppedAfter(Scripted):
+        def launch(self, ranks, relaunch):
+            attempt = super().launch(ranks, relaunch)
+            self._forward(signal.SIGUSR1, None)  # no launcher running: it reaches no rank
+            return attempt
+
+    sup = StoppedAfter(plan(tmp_path, Mpirun(), 2), [killed(1, "vm", steps=[5])])
+    assert sup.run() == 3 and len(sup.commands) == 1
+    err = capsys.readouterr().err
+    assert "stopped by signal 10 before relaunching: not restarted; exit status 3" in err, err
+
+
 def test_main_refuses_bad_arguments_before_starting(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):  # as the suite's launches have them

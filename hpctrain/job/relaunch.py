@@ -185,6 +185,7 @@ class Supervisor:
         self.plan = plan
         self.environ = dict(os.environ if environ is None else environ)
         self.stop_signal = None  # a signal we were sent: passed on, and no relaunch after it
+        self.stop_passed_on = False  # it reached a launch's ranks (else it came between launches)
         self.child = None
         owner = {settings.name("SPARE_OWNER"): f"{socket.gethostname()}:{os.getpid()}"}
         self.pool = warmpool.Pool(plan.python, self.environ, say) if plan.warm_pool else None
@@ -203,6 +204,7 @@ class Supervisor:
         if child is not None and child.poll() is None:
             with contextlib.suppress(OSError):
                 child.send_signal(signal.SIGUSR1 if first else signum)
+                self.stop_passed_on = True
 
     def command(self, ranks, relaunch, spare=False):
         """The launcher's command line for ``ranks`` ranks, without the excluded nodes (``spare``: for a
@@ -273,7 +275,7 @@ class Supervisor:
                 diagnosis.diagnose(attempt.returncode, attempt.records, diagnosis.launcher_events(attempt.tail), hosts)
             if failed.restartable and failed.cause != "node_failure" and self.stop_signal is None:
                 failed = lost_node(p, failed, hosts, slurm.environment(self.environ)["slurm_job_id"])
-            if self.stop_signal is not None:
+            if self.stop_passed_on:  # the ranks were asked to save: their status says if they did
                 status = attempt.returncode if 0 < attempt.returncode < 128 else failed.status
                 say(f"stopped by signal {self.stop_signal} (passed on to the ranks as a request to save and "
                     f"stop): not restarted; exit status {status}")
