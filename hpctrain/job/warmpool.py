@@ -211,11 +211,11 @@ def _serve(name, warm):
                 _kill(pid)
         for conn in [c for c in readable if c in saves.offers]:
             saves.answered(conn)
-        saves.tick()
         if listener in readable:
             argv = _take(listener, ranks, saves, (listener, wake_r, wake_w))
             if argv is not None:
                 return argv
+        saves.tick()  # after _take: a supervisor's wait with nothing pending is answered now, not at the next wake
     return os._exit(0)
 
 
