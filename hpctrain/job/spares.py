@@ -34,6 +34,8 @@ GIVE_UP_AFTER = 3  # sets in a row that end before being called: spares are then
 # A set starts beside the training, on its cores (a relaunch's new set right after the restart): at the lowest
 # priority its start-up yields the CPU to the training (memory bandwidth and caches it still shares: measured on 2
 # cores, a starting set still costs the training about a second); a called rank goes back to the supervisor's.
+# Ranks forked from the warm pool have no imports left to do: their set starts at the supervisor's priority (at
+# the lowest, on cores the training fills, its few launch steps took 30-90 s) and waits at the lowest.
 SET_NICENESS = 19
 
 
@@ -79,6 +81,9 @@ def wait_until_called(world):
     if not call:
         return False
     warm_imports()
+    back = settings.get("SPARE_NICENESS")
+    if back is not None:  # waits at the lowest priority (where it started, or now: forked from the warm pool)
+        _set_niceness(SET_NICENESS)
     held = world.comm.allreduce(resident_bytes())
     if world.is_root:
         _write_json(call + ".ready", {"ranks": world.size, "bytes": held, "pid": os.getpid()})
@@ -89,25 +94,29 @@ def wait_until_called(world):
         if time.monotonic() - checked > OWNER_SECONDS:
             checked = time.monotonic()
         time.sleep(CALL_POLL_SECONDS)
-    back = settings.get("SPARE_NICENESS")
-    if back is not None:  # started at the lowest priority (SpareSet): the training's own, now that it trains
-        for thread in os.listdir("/proc/self/task"):  # Linux keeps a niceness per thread
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, int(thread), int(back))
+    if back is not None:  # the training's own priority, now that it trains
+        _set_niceness(int(back))
     startup.called()
     return True
 
 
-def _lowered(cmd):
-    """``cmd`` run at the lowest priority, and the niceness its ranks return to when called; or ``(cmd, None)``
-    under srun (its tasks are slurmd's children, not the launcher's) or where a rank could not return to it."""
+def _set_niceness(niceness):
+    for thread in os.listdir("/proc/self/task"):  # Linux keeps a niceness per thread
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+
+
+def _lowered(cmd, forked):
+    """``cmd`` run at the lowest priority (``forked``: its ranks come from the warm pool, and lower themselves
+    once started), and the niceness its ranks return to when called; or ``(cmd, None)`` under srun (its tasks are
+    slurmd's children, not the launcher's) or where a rank could not return to it."""
     import resource
 
     niceness = os.getpriority(os.PRIO_PROCESS, 0)
     if (os.path.basename(cmd[0]) == Srun.name or niceness >= SET_NICENESS
             or not (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - niceness)):
         return cmd, None
-    return ["nice", "-n", str(SET_NICENESS - niceness), *cmd], niceness
+    return (cmd if forked else ["nice", "-n", str(SET_NICENESS - niceness), *cmd]), niceness
 
 
 def _write_json(path, record):
@@ -148,7 +157,7 @@ class SpareSet:
     def __init__(self, cmd, env, call):
         self.cmd, self.call, self.said, self.started = cmd, call, False, time.monotonic()
         env = dict(env, **{settings.name("SPARE_CALL"): call})
-        run, niceness = _lowered(cmd)  # its start-up takes the cores the training leaves, not the training's
+        run, niceness = _lowered(cmd, settings.name("WARM_POOL") in env)  # its start-up yields to the training
         if niceness is not None:
             env[settings.name("SPARE_NICENESS")] = str(niceness)
         self.launch = Launch(run, env, quiet=True)
