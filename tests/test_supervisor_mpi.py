@@ -107,6 +107,46 @@ def _cmdline(pid):
         return ""
 
 
+class Watched:
+    """A command started in its own session, its output gathered line by line as it comes (``lines``). Leaving
+    the ``with`` block kills the session if the command still runs, and prints the output's end (``out``)."""
+
+    def __init__(self, cmd, env=None):
+        import threading
+
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def until(self, done, what, poll=0.1):
+        """Wait (at most half the launch timeout) for ``done()``, while the command runs."""
+        import time
+
+        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
+        while not done():
+            assert time.monotonic() < deadline and self.proc.poll() is None, \
+                f"no {what}:\n{''.join(self.lines)[-6000:]}"
+            time.sleep(poll)
+
+    def wait_for(self, text, count=1):
+        self.until(lambda: sum(text in line for line in self.lines) >= count, repr(text))
+
+    def end(self):
+        self.proc.wait(timeout=LAUNCH_TIMEOUT)
+        self.reader.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.out = "".join(self.lines)
+        print(self.out[-3000:])
+
+
 def metrics(run_dir, kind):
     path = Path(run_dir) / "metrics.jsonl"
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
@@ -329,43 +369,25 @@ def test_a_spare_set_that_ends_early_is_replaced_and_the_next_is_called(tmp_path
     """A warm spare rank killed while its set waits: the supervisor says so and starts another set, never
     calling the broken one. A training rank killed next: the new set is called (its restart cost counts from
     the call), resumes from the newest checkpoint, and SIGUSR1 then saves and ends it, with every spare gone."""
-    import threading
     import time
 
     run = tmp_path / "run"
     cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--python", str(wrapper), "examples/digits.toml",
            *overrides(run, digits), "train.max_steps=0", "train.epochs=1000"]  # ended by the SIGUSR1 below:
     # a loaded machine brings the spare sets up slowly, and a run of the example's epochs could end first
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env({"SUPERVISED_STEP_SLEEP": "0.05"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-
-    def wait_for(text, count=1):
-        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
-        while sum(text in line for line in lines) < count:
-            assert time.monotonic() < deadline and proc.poll() is None, f"no {text!r}:\n{''.join(lines)[-6000:]}"
-            time.sleep(0.1)
-
-    try:
-        wait_for("warm spares ready: 2 rank(s)")
+    with Watched(cmd, {"SUPERVISED_STEP_SLEEP": "0.05"}) as launch:
+        launch.wait_for("warm spares ready: 2 rank(s)")
         os.kill(_pids(run, spare=True)[0], signal.SIGKILL)
-        wait_for("warm spares: the set ended before it was needed")
-        wait_for("warm spares ready: 2 rank(s)", count=2)
+        launch.wait_for("warm spares: the set ended before it was needed")
+        launch.wait_for("warm spares ready: 2 rank(s)", count=2)
         os.kill(_pids(run, spare=False)[0], signal.SIGKILL)
-        wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
-        wait_for("hpctrain: resumed from")
-        wait_for("loss", count=sum("loss" in line for line in lines) + 1)  # a step after the resume
-        proc.send_signal(signal.SIGUSR1)
-        proc.wait(timeout=LAUNCH_TIMEOUT)
-        reader.join(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = "".join(lines)
-    print(out[-3000:])
-    assert proc.returncode == 3, out[-6000:]
+        launch.wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
+        launch.wait_for("hpctrain: resumed from")
+        launch.wait_for("loss", count=sum("loss" in line for line in launch.lines) + 1)  # a step after the resume
+        launch.proc.send_signal(signal.SIGUSR1)
+        launch.end()
+    out = launch.out
+    assert launch.proc.returncode == 3, out[-6000:]
     assert out.count("calling the warm spares") == 1 and "relaunching" not in out
     step = int(re.search(r"stop requested: saving at step (\d+)", out).group(1))
     assert latest_step(run)[0] == step
@@ -405,49 +427,31 @@ def test_the_default_launch_forks_every_rank_from_its_warm_pool(tmp_path, digits
     holds; the ranks, the warm spares and the relaunches are forked from it. A forked training rank killed, then
     the process mpirun started for a rank (its stand-in) killed: each is a rank's death to the supervisor, which
     calls the spares, forked again; SIGUSR1 saves and ends the run, and the pool and every rank are gone."""
-    import threading
     import time
 
     run = tmp_path / "run"
     cmd = [PYTHON, "-m", "hpctrain", "launch", "-n", "2", "examples/digits.toml", *overrides(run, digits),
            "train.max_steps=0", "train.epochs=100000", "train.step_timeout=60"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-
-    def wait_for(text, count=1):
-        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
-        while sum(text in line for line in lines) < count:
-            assert time.monotonic() < deadline and proc.poll() is None, f"no {text!r}:\n{''.join(lines)[-6000:]}"
-            time.sleep(0.1)
-
-    try:
-        wait_for("warm pool up in")
-        (pool,) = [pid for pid, _ in _children(proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
-        wait_for("warm spares ready: 2 rank(s)")
+    with Watched(cmd) as launch:
+        launch.wait_for("warm pool up in")
+        (pool,) = [pid for pid, _ in _children(launch.proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
+        launch.wait_for("warm spares ready: 2 rank(s)")
         training = [pid for pid, nice in _children(pool) if nice == 0]  # the spares wait at the lowest priority
         assert len(training) == 2 and len(_children(pool)) == 4, _children(pool)
         os.kill(training[0], signal.SIGKILL)
-        wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
-        wait_for("hpctrain: resumed from")
-        wait_for("warm spares ready: 2 rank(s)", count=2)
+        launch.wait_for("hpctrain launch: calling the warm spares 2 rank(s)")
+        launch.wait_for("hpctrain: resumed from")
+        launch.wait_for("warm spares ready: 2 rank(s)", count=2)
         stand_in = next(pid for pid in _pids(run, spare=True) if _called(pid))  # of the set called
         assert _children(stand_in) == [], "a stand-in's rank is the pool's child, not its own"
         os.kill(stand_in, signal.SIGKILL)
-        wait_for("hpctrain launch: calling the warm spares 2 rank(s)", count=2)
-        wait_for("hpctrain: resumed from", count=2)
-        wait_for("loss", count=sum("loss" in line for line in lines) + 1)  # a step after the resume
-        proc.send_signal(signal.SIGUSR1)
-        proc.wait(timeout=LAUNCH_TIMEOUT)
-        reader.join(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = "".join(lines)
-    print(out[-3000:])
-    assert proc.returncode == 3, out[-6000:]
+        launch.wait_for("hpctrain launch: calling the warm spares 2 rank(s)", count=2)
+        launch.wait_for("hpctrain: resumed from", count=2)
+        launch.wait_for("loss", count=sum("loss" in line for line in launch.lines) + 1)  # a step after the resume
+        launch.proc.send_signal(signal.SIGUSR1)
+        launch.end()
+    out = launch.out
+    assert launch.proc.returncode == 3, out[-6000:]
     assert re.search(r"warm pool up in [\d.]+ s, \d+ MiB resident: this host's ranks are forked from it", out)
     assert "relaunching" not in out and "warm pool not used" not in out
     restarts = metrics(run, "restart")
@@ -467,7 +471,6 @@ def test_a_failed_ranks_survivor_keeps_the_state_of_its_last_step(tmp_path, digi
     """The default launch (warm pool), no snapshot or checkpoint file during the run: a training rank SIGKILLed
     mid-run, the survivor writes the state of the last step it finished, the relaunch resumes from that step (the
     last logged one, or the one after it) and ends with the parameters of an uninterrupted run, bit for bit."""
-    import threading
     import time
 
     steps = 600
@@ -479,31 +482,19 @@ def test_a_failed_ranks_survivor_keeps_the_state_of_its_last_step(tmp_path, digi
     reference = tensors(Path(base) / "checkpoints" / (Path(base) / "checkpoints" / "latest").read_text().strip())
 
     run = tmp_path / "run"
-    proc = subprocess.Popen([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--spares", "0", *config,
-                             f"run.run_dir={run}"], cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT / 2
-        while not (run / "metrics.jsonl").exists() or not [r for r in metrics(run, "train") if r["step"] >= 150]:
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-6000:]
-            time.sleep(0.02)
-        (pool,) = [pid for pid, _ in _children(proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
+    with Watched([PYTHON, "-m", "hpctrain", "launch", "-n", "2", "--spares", "0", *config,
+                  f"run.run_dir={run}"]) as launch:
+        launch.until(lambda: (run / "metrics.jsonl").exists() and any(r["step"] >= 150 for r in metrics(run, "train")),
+                     "step 150", poll=0.02)
+        (pool,) = [pid for pid, _ in _children(launch.proc.pid) if "--warm-pool-serve" in _cmdline(pid)]
         ranks = [pid for pid, _ in _children(pool)]
         assert len(ranks) == 2, ranks
         os.kill(RNG.choice(ranks), signal.SIGKILL)
         time.sleep(0.5)  # what was logged before the kill: the survivor, waiting for the dead rank, logs no more
         logged = max(r["step"] for r in metrics(run, "train"))
-        proc.wait(timeout=LAUNCH_TIMEOUT)
-        reader.join(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = "".join(lines)
-    print(out[-3000:])
-    assert proc.returncode == 0, out[-6000:]
+        launch.end()
+    out = launch.out
+    assert launch.proc.returncode == 0, out[-6000:]
     assert "a failed rank costs the step in flight: a rank that survives it writes the state" in out
     kept = re.search(r"hpctrain launch: rank (\d), a survivor, wrote the state of step (\d+) to the node-local level",
                      out)
