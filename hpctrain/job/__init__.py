@@ -12,6 +12,7 @@
 * :mod:`.warmpool`: the warm pool: one process with a rank's imports done, from which ``hpctrain launch`` forks
   the ranks of its host (``python -m hpctrain`` asks it first);
 * :mod:`.survivor`: when a rank dies, a rank that survives it writes the state of its last step (the pool asks);
+* :mod:`.poolsocket`: the messages between the warm pool, its ranks and the supervisor;
 * :mod:`.standby`: ``python -m hpctrain.job.standby``, a supervisor on a second node that takes the job over
   when Slurm loses its first node (``slurm/resilient.sbatch`` starts it).
 """

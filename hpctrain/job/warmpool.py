@@ -16,7 +16,6 @@ Only ranks of the supervisor's host, started by mpirun, use the pool: under srun
 """
 import contextlib
 import gc
-import json
 import os
 import select
 import signal
@@ -27,66 +26,13 @@ import time
 
 from .. import settings
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED
+from .poolsocket import address, connect, receive, send
 
 SERVE_FLAG = "--warm-pool-serve"  # ``python -m hpctrain --warm-pool-serve NAME``: the pool's own command line
 READY = "ready"  # the pool's first line on its standard output, once its imports are done
 REPLY_SECONDS = 10.0  # a pool that does not answer a rank this soon is passed over (the rank starts cold)
-SAVE_SECONDS = 2.0  # a survivor asked for its state (:mod:`.survivor`) is ended this long after its launch at most
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT,
              signal.SIGQUIT, signal.SIGTSTP)
-
-
-def _send(sock, record, fds=()):
-    data = json.dumps(record).encode()
-    message = struct.pack("!I", len(data)) + data
-    sent = socket.send_fds(sock, [message], list(fds)) if fds else sock.send(message)
-    if sent < len(message):
-        sock.sendall(message[sent:])
-
-
-def _receive(sock, max_fds=0):
-    """One record (and the file descriptors sent with it), or ``(None, [])`` at the end of the connection."""
-    data, fds = b"", []
-    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-        if max_fds and not fds:
-            chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, max_fds)
-        else:
-            chunk = sock.recv(1 << 16)
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
-            return None, []
-        data += chunk
-    return json.loads(data[4:].decode()), fds
-
-
-def _address(name):
-    return "\0" + name  # Linux's abstract namespace: no file to clean up; who may connect is checked (SO_PEERCRED)
-
-
-def _connect(name, record, timeout):
-    """A connection to pool ``name`` that sent ``record``, or None."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(_address(name))
-        _send(sock, record)
-    except OSError:
-        sock.close()
-        return None
-    return sock
-
-
-def offer_channel():
-    """In a rank forked from the pool: a connection on which the pool may ask for its state, or None."""
-    name = (settings.get("WARM_POOL") or "").partition(":")[2]
-    sock = _connect(name, {"offer": True}, REPLY_SECONDS) if name else None
-    if sock is not None:
-        sock.settimeout(None)
-    return sock
-
-
-receive, send = _receive, _send
 
 
 # ---------------------------------------------------------------- in the rank mpirun started
@@ -105,9 +51,9 @@ def enter(argv, warm):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(REPLY_SECONDS)
-        sock.connect(_address(name))
-        _send(sock, _request(argv), fds=(0, 1, 2))
-        reply, _ = _receive(sock)
+        sock.connect(address(name))
+        send(sock, _request(argv), fds=(0, 1, 2))
+        reply, _ = receive(sock)
     except OSError:
         reply = None
     if reply and "pid" in reply:
@@ -154,7 +100,7 @@ def _stand_in(sock, pid, pending):
         signal.signal(sig, forward)
     for sig in pending:
         forward(sig, None)
-    record, _ = _receive(sock)
+    record, _ = receive(sock)
     if record is None:  # the pool is gone, and with it whoever would say how the rank ended
         forward(signal.SIGKILL, None)
         print(f"hpctrain: the warm pool ended under rank process {pid}: it is ended too", file=sys.stderr,
@@ -186,7 +132,7 @@ def _serve(name, warm):
         print(f"hpctrain: the warm pool's imports started {started}: no warm pool", file=sys.stderr, flush=True)
         return os._exit(1)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(_address(name))
+    listener.bind(address(name))
     listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -195,7 +141,10 @@ def _serve(name, warm):
     signal.set_wakeup_fd(wake_w)
     gc.freeze()  # the objects of the imports are shared with every rank: no collection copies their pages
     print(READY, spares.resident_bytes(), flush=True)
-    _POOL["pid"], ranks, saves = os.getpid(), _POOL["ranks"], _POOL["saves"]  # ranks: connection -> pid
+    from .survivor import Saves
+
+    _POOL["pid"], ranks, saves = os.getpid(), _POOL["ranks"], Saves(_kill)  # ranks: connection -> pid
+    _POOL["saves"] = saves
     while os.getppid() == parent or ranks or saves.doomed:
         readable, _, _ = select.select([listener, wake_r, *ranks, *saves.offers], [], [], saves.timeout())
         if wake_r in readable:
@@ -219,91 +168,12 @@ def _serve(name, warm):
     return os._exit(0)
 
 
-class _Saves:
-    """The pool's side of the survivors' state (:mod:`.survivor`): the launch each rank belongs to, the ranks
-    that offered to keep their state, the one asked (the lowest rank that offered) when a rank of its launch ends
-    abnormally or the launch is torn down, its kill held back until it answers (at most :data:`SAVE_SECONDS`),
-    and the supervisor's wait for the answers (:meth:`Pool.settle`)."""
-
-    def __init__(self):
-        self.launch = {}  # rank pid -> (the launch's PMIx namespace, rank)
-        self.offers = {}  # offer connection -> rank pid
-        self.asked = {}  # launch -> {"pid", "rank", "deadline", "answer"}
-        self.doomed = {}  # asked rank pid -> deadline: its stand-in is gone, its kill waits for its answer
-        self.waiting, self.said, self.kept = [], [], None  # the supervisor's connections, what to tell it
-
-    def joined(self, pid, env):
-        from ..runtime.world import launch_of
-
-        launch, rank = launch_of(env)
-        self.launch[pid] = (launch, -1 if rank is None else rank)
-
-    def ended(self, pid, alive):
-        """Rank ``pid``'s launch is failing (it ended abnormally, or its stand-in is gone): ask a survivor."""
-        launch = self.launch.get(pid, ("", -1))[0]
-        if not launch or launch in self.asked:
-            return
-        offered = sorted((self.launch[p][1], p, c) for c, p in self.offers.items()
-                         if self.launch.get(p, ("",))[0] == launch and (alive or p != pid))
-        for rank, survivor, conn in offered:
-            with contextlib.suppress(OSError):
-                _send(conn, {"save": True})
-                self.asked[launch] = {"pid": survivor, "rank": rank, "answer": None,
-                                      "deadline": time.monotonic() + SAVE_SECONDS}
-                return
-
-    def spared(self, pid):
-        """``pid``'s stand-in is gone: True if its kill waits for its answer."""
-        self.ended(pid, alive=True)
-        for a in self.asked.values():
-            if a["pid"] == pid and a["answer"] is None:
-                self.doomed[pid] = a["deadline"]
-                return True
-        return False
-
-    def answered(self, conn):
-        pid, record = self.offers.pop(conn), None
-        with contextlib.suppress(OSError, ValueError):
-            record, _ = _receive(conn)
-        conn.close()
-        self._settled(pid, record or {"why": "it ended before it answered"})
-
-    def _settled(self, pid, answer):
-        for a in self.asked.values():
-            if a["pid"] == pid and a["answer"] is None:
-                a["answer"] = answer
-                if answer.get("written"):
-                    self.kept = max(self.kept or 0, answer["step"])
-                step = f"the state of step {answer['step']}" if "step" in answer else "its state"
-                self.said.append(f"rank {a['rank']}, a survivor, wrote {step} to the node-local level in "
-                                 f"{answer['seconds']:.2f} s" if answer.get("written") else
-                                 f"rank {a['rank']}, a survivor, did not keep {step}: {answer['why']}")
-        if self.doomed.pop(pid, None) is not None:
-            _kill(pid)
-
-    def tick(self):
-        now = time.monotonic()
-        for a in self.asked.values():
-            if a["answer"] is None and now >= a["deadline"]:
-                self._settled(a["pid"], {"why": f"no answer in {SAVE_SECONDS:g} s"})
-        if self.waiting and all(a["answer"] is not None for a in self.asked.values()):
-            for conn in self.waiting:
-                with contextlib.suppress(OSError):
-                    _send(conn, {"said": self.said, "kept": self.kept})
-                conn.close()
-            self.waiting, self.said, self.kept = [], [], None
-
-    def timeout(self):
-        pending = [a["deadline"] for a in self.asked.values() if a["answer"] is None]
-        return max(0.01, min([1.0] + [d - time.monotonic() for d in pending]))
-
-
-_POOL = {"pid": None, "ranks": {}, "saves": _Saves()}  # the pool's pid, its ranks by connection, ... (for _end)
+_POOL = {"pid": None, "ranks": {}, "saves": None}  # the pool's pid, its ranks by connection, its saves (for _end)
 
 
 def _end(signum, frame):
     if os.getpid() == _POOL["pid"]:  # not a rank just forked, before it took the default back
-        for pid in [*_POOL["ranks"].values(), *_POOL["saves"].doomed]:
+        for pid in [*_POOL["ranks"].values(), *(_POOL["saves"].doomed if _POOL["saves"] else ())]:
             _kill(pid)
     os._exit(128 + signum)
 
@@ -315,7 +185,7 @@ def _take(listener, ranks, saves, own):
     conn.settimeout(REPLY_SECONDS)
     try:
         pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        request, fds = _receive(conn, max_fds=3)
+        request, fds = receive(conn, max_fds=3)
     except (OSError, ValueError):
         conn.close()
         return None
@@ -331,7 +201,7 @@ def _take(listener, ranks, saves, own):
     why = _refusal(request, uid, fds)
     if why:
         with contextlib.suppress(OSError):  # a stand-in gone meanwhile: none of the pool's concern
-            _send(conn, {"refused": why})
+            send(conn, {"refused": why})
         for fd in fds:
             os.close(fd)
         conn.close()
@@ -350,7 +220,7 @@ def _take(listener, ranks, saves, own):
     for fd in fds:
         os.close(fd)
     with contextlib.suppress(OSError):
-        _send(conn, {"pid": child})
+        send(conn, {"pid": child})
     conn.settimeout(None)
     ranks[conn] = child
     saves.joined(child, request["env"])
@@ -416,7 +286,7 @@ def _reap(ranks, saves):
         for conn, rank in list(ranks.items()):
             if rank == pid:
                 with contextlib.suppress(OSError):
-                    _send(conn, {"exit": code})
+                    send(conn, {"exit": code})
                 conn.close()
                 del ranks[conn]
 
@@ -473,14 +343,17 @@ class Pool:
         return self.up
 
     def settle(self):
-        """After a failed launch: wait for the survivors' saves the pool asked for (at most :data:`SAVE_SECONDS`
-        and one more); ``(what the pool says of them, the newest step one wrote or None)``."""
-        sock = _connect(self.name, {"settle": True}, SAVE_SECONDS + 1.0) if self.up else None
+        """After a failed launch: wait for the survivors' saves the pool asked for (at most
+        :data:`.survivor.SAVE_SECONDS` and one more); ``(what the pool says of them, the newest step one wrote or
+        None)``."""
+        from .survivor import SAVE_SECONDS
+
+        sock = connect(self.name, {"settle": True}, SAVE_SECONDS + 1.0) if self.up else None
         if sock is None:
             return [], None
         with sock:
             try:
-                record, _ = _receive(sock)
+                record, _ = receive(sock)
             except OSError:  # it did not answer in time: the relaunch resumes from what is there
                 record = None
         record = record or {}
