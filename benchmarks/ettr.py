@@ -1,8 +1,11 @@
 """Effective training time ratio (ETTR) under failures: ``hpctrain launch -n 2`` trains for M minutes while a
-random rank is SIGKILLed every T seconds (each wait drawn uniformly from [T/2, 3T/2]); an uninterrupted run
-of the same length, in the same command, is the reference.
+random rank is SIGKILLed every T seconds (each wait drawn uniformly from [T/2, 3T/2]); uninterrupted runs
+of the same length, in the same command, one before the runs with failures and one after them, are the
+reference (their mean: the throughput of this machine drifts from one run to the next by more than a few
+failures cost, and a drift over the command cancels in the mean; ETTR against each is reported too).
 
-    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local] [--out DIR]
+    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local] [--references 2]
+                              [--out DIR]
 
 ETTR = steps kept / steps the uninterrupted run made in the same wall time; "own rate": steps kept / (the run's
 own steps per second while it trained, from its logged intervals, x its wall time). Each run starts from nothing
@@ -125,7 +128,7 @@ def one_run(name, config, minutes, every, out, data):
             "restart_costs": restart_costs(records), "load_before": load_before, "load_after": os.getloadavg()}
 
 
-def summary(run, reference):
+def summary(run, references):
     costs = [c["total"] for c in run["restart_costs"] if c["total"] is not None]
     parts = {}
     for c in run["restart_costs"]:
@@ -133,7 +136,9 @@ def summary(run, reference):
             parts.setdefault(k, []).append(v)
     spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
     lost = [s for s in run["steps_lost"] if isinstance(s, (int, float))]
-    return {"ettr": round(run["steps"] / reference["steps"], 3) if reference["steps"] else None,
+    made = [r["steps"] for r in references if r["steps"]]
+    return {"ettr": round(run["steps"] / statistics.mean(made), 3) if made else None,
+            "ettr_each": [round(run["steps"] / m, 3) for m in made],
             "ettr_own": round(run["steps"] / (run["own_rate"] * run["wall_s"]), 3) if run.get("own_rate") else None,
             "restart_s": spread(costs), "parts_s": {k: spread(v) for k, v in parts.items()},
             "steps_lost": spread(lost), "steps_lost_total": sum(lost)}
@@ -144,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--every", default="60,120", help="seconds between kills (mean), comma-separated")
     ap.add_argument("--configs", default="defaults,no-local")
+    ap.add_argument("--references", type=int, choices=(1, 2), default=2,
+                    help="uninterrupted runs: 1 before the others, 2 before and after them (default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-results", time.strftime("ettr-%Y%m%d-%H%M%S")))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -154,28 +161,35 @@ def main(argv=None):
                     f"data.path={data}", *MODEL], check=True, cwd=ROOT, env=mpi_env())
     results = {"reference": one_run("reference", "defaults", args.minutes, 0, args.out, data)}
     print(json.dumps(results["reference"]), flush=True)
+    runs = []
     for every in [float(e) for e in args.every.split(",")]:
         for config in args.configs.split(","):
             name = f"{config}-every{int(every)}s"
-            run = one_run(name, config, args.minutes, every, args.out, data)
-            run["summary"] = summary(run, results["reference"])
-            results[name] = run
-            print(json.dumps(run), flush=True)
+            results[name] = one_run(name, config, args.minutes, every, args.out, data)
+            runs.append(name)
+            print(json.dumps(results[name]), flush=True)
+    if args.references == 2:
+        results["reference-after"] = one_run("reference-after", "defaults", args.minutes, 0, args.out, data)
+        print(json.dumps(results["reference-after"]), flush=True)
+    references = [results[k] for k in ("reference", "reference-after") if k in results]
+    for name in runs:
+        results[name]["summary"] = summary(results[name], references)
     with open(os.path.join(args.out, "ettr.json"), "w") as f:
         json.dump(results, f, indent=1)
-    ref = results["reference"]
-    print(f"\nreference: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
-          f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while training "
-          f"{summary(ref, ref)['ettr_own']}")
-    print("| run | ETTR | ETTR, own rate | kills | restarts | restart s, median (min-max) | steps lost per restart | "
-          "load before/after |")
+    print()
+    for ref in references:
+        print(f"{ref['name']}: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
+              f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while "
+              f"training {summary(ref, [ref])['ettr_own']}")
+    print("| run | ETTR (mean reference; each) | ETTR, own rate | kills | restarts | restart s, median (min-max) | "
+          "steps lost per restart | load before/after |")
     print("|---|---|---|---|---|---|---|---|")
     for name, run in results.items():
-        if name == "reference":
+        if name not in runs:
             continue
         s = run["summary"]
-        print(f"| {name} | {s['ettr']} | {s['ettr_own']} | {len(run['kills_at_s'])} | {run['restarts']} | "
-              f"{s['restart_s']} | "
+        print(f"| {name} | {s['ettr']}; {', '.join(map(str, s['ettr_each']))} | {s['ettr_own']} | "
+              f"{len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
               f"{s['steps_lost']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
     print(f"results: {args.out}/ettr.json")
