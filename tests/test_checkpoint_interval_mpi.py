@@ -115,9 +115,12 @@ def test_async_save_is_cheap_and_not_started_before_the_last_write_ends(tmp_path
     assert last_n < sync_steps, (last_n, sync_steps)
     assert "background write" in stdout
     assert last_n * step_time(record) >= SAVE_SLEEP  # no save starts while the last is being written
-    # Once a background write has been timed (from the third save on), no save waits for the
-    # previous write: each blocks for its snapshot only, far less than the write.
-    assert max(seconds for _, seconds, _ in record["saves"][2:]) < SAVE_SLEEP / 2, record["saves"]
+    # Once a background write has been timed (from the third save on), a save waits for no write: it
+    # blocks for its snapshot only, far less than the write. On a loaded machine one write may outlast
+    # the interval timed before it, and the next save then waits for it (seen once at load 13: 0.33 s
+    # of 16 saves), so all but the slowest; a synchronous save blocks for the whole write every time.
+    blocked = sorted(seconds for _, seconds, _ in record["saves"][2:])
+    assert blocked[-2] < SAVE_SLEEP / 2, record["saves"]
     assert overhead_after_first_save(record) <= budget, record["saves"]
 
 
