@@ -5,6 +5,8 @@ import os
 import socket
 import struct
 
+CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's pid, uid, gid
+
 
 def send(sock, record, fds=()):
     data = json.dumps(record).encode()
@@ -34,14 +36,19 @@ def address(name):
     return "\0" + name  # Linux's abstract namespace: no file to clean up; who may connect is checked (SO_PEERCRED)
 
 
-def connect(name, record, timeout):
-    """A connection to pool ``name`` that sent ``record``, or None."""
+def connect(name, record, timeout, fds=()):
+    """A connection to ``name`` (a pool, or a rank's own socket) that sent ``record`` (and ``fds``), or None."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         sock.connect(address(name))
-        send(sock, record)
+        send(sock, record, fds)
     except OSError:
         sock.close()
         return None
     return sock
+
+
+def peer(conn):
+    """``(pid, uid, gid)`` of the process at the other end of ``conn``: who may ask is checked by its uid."""
+    return CREDENTIALS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, CREDENTIALS.size))

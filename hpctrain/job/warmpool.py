@@ -20,13 +20,12 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 
 from .. import settings
 from ..errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, EXIT_STOPPED
-from .poolsocket import address, connect, receive, send
+from .poolsocket import address, connect, peer, receive, send
 
 SERVE_FLAG = "--warm-pool-serve"  # ``python -m hpctrain --warm-pool-serve NAME``: the pool's own command line
 READY = "ready"  # the pool's first line on its standard output, once its imports are done
@@ -48,18 +47,15 @@ def enter(argv, warm):
         return argv
     pending = []  # signals sent while the pool is asked: the rank's, once there is one
     held = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum)) for sig in FORWARDED}
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(REPLY_SECONDS)
-        sock.connect(address(name))
-        send(sock, _request(argv), fds=(0, 1, 2))
-        reply, _ = receive(sock)
-    except OSError:
-        reply = None
-    if reply and "pid" in reply:
-        sock.settimeout(None)
-        _stand_in(sock, reply["pid"], pending)
-    sock.close()
+    sock = connect(name, _request(argv), REPLY_SECONDS, fds=(0, 1, 2))
+    reply = None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            reply, _ = receive(sock)
+        if reply and "pid" in reply:
+            sock.settimeout(None)
+            _stand_in(sock, reply["pid"], pending)
+        sock.close()
     if reply:
         print(f"hpctrain: warm pool not used ({reply.get('refused')}): starting cold", file=sys.stderr, flush=True)
     for sig, handler in held.items():
@@ -184,7 +180,7 @@ def _take(listener, ranks, saves, own):
     conn, _ = listener.accept()
     conn.settimeout(REPLY_SECONDS)
     try:
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _ = peer(conn)
         request, fds = receive(conn, max_fds=3)
     except (OSError, ValueError):
         conn.close()
