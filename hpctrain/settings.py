@@ -26,6 +26,9 @@ HPCTRAIN_SPARE_NICENESS    the niceness a spare rank started at the lowest   uns
                            priority returns to when called
 HPCTRAIN_WARM_POOL         ``host:name`` of the warm pool a rank of that      unset        ``job.warmpool``
                            host is forked from (``hpctrain launch`` sets it)
+HPCTRAIN_SURVIVOR          ``srun``: a task of this srun step listens for     unset        ``job.survivor``
+                           ``hpctrain launch``'s question after a failure
+                           (it sets it)
 =========================  ================================================  ===========  ==============================
 
 The scripts around the package read their own: ``HPCTRAIN_CACHE`` and ``HPCTRAIN_BUILD_JOBS``

@@ -262,3 +262,29 @@ def test_survivors_keep_their_state_only_where_one_rank_holds_the_runs():
     assert "running_mean" in unsuited(cfg, torch.nn.Sequential(torch.nn.BatchNorm1d(3)), whole=True)
     local_sgd = load_config("examples/local_sgd.toml", [])
     assert unsuited(local_sgd, mlp, whole=True).startswith('comm.mode = "local_sgd"')
+
+
+def test_a_task_of_an_srun_step_answers_the_supervisors_question_on_its_own_socket(tmp_path, monkeypatch):
+    """Under srun (no warm pool): the task listens on its step's socket once hpctrain launch says it will ask
+    (HPCTRAIN_SURVIVOR=srun); asked, it writes its state; the asking side passes over a task that does not listen."""
+    import threading
+
+    import torch
+
+    from hpctrain.job import survivor
+    from hpctrain.state import Progress, TrainState
+
+    model = torch.nn.Linear(4, 3)
+    state, lv = TrainState(model, None, Progress(step=9)), _level_of(tmp_path)
+    job = f"t{os.getpid()}"
+    for name, value in {"SLURM_JOB_ID": job, "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("HPCTRAIN_WARM_POOL", raising=False)
+    monkeypatch.delenv("HPCTRAIN_SURVIVOR", raising=False)
+    assert survivor.offer(lv, state, threading.Lock()) is None  # a bare srun: no one asks
+    assert survivor.ask_step(job, "3", {0, 1}) == ([], None)
+    monkeypatch.setenv("HPCTRAIN_SURVIVOR", "srun")
+    assert survivor.offer(lv, state, threading.Lock()) == "hpctrain launch asks it once srun reports the failure"
+    said, kept = survivor.ask_step(job, "3", {0, 1})  # task 0 does not listen: task 1 is asked
+    assert kept == 9 and said[0].startswith("rank 1, a survivor, wrote the state of step 9"), said
+    assert [found[0] for found in localfiles.scan_node(lv.ndir, lv.checkpoint_dir)] == [9]

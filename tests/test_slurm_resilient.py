@@ -40,7 +40,9 @@ def submit(cluster, env, tmp_path, args):
 
 def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path, digits):
     """With the defaults, warm spares: a step of the allocation beside the training one, up before the kill
-    (the rank waits for their ready file), called for the relaunch on the same node."""
+    (the rank waits for their ready file), called for the relaunch on the same node. The killed rank's survivor
+    (asked by hpctrain launch once srun reports the death) writes the state of the last step it finished: the
+    relaunch resumes from it, no step lost."""
     marker = tmp_path / "killed"
     env = job_env(slurm_cluster, tmp_path, SUPERVISED_KILL_STEP="17", SUPERVISED_KILL_RANK="1",
                   SUPERVISED_MARKER=str(marker),
@@ -57,7 +59,12 @@ def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path
     assert re.search(r"hpctrain launch: warm spares ready: 2 rank\(s\) holding \d+ MiB resident", out), out
     assert "hpctrain launch: calling the warm spares 2 rank(s): srun --mpi=pmix --kill-on-bad-exit=1 -n 2 " \
            "--overlap" in out, out
-    assert "resumed from" in out and "at step 15" in out, out
+    assert "a failed rank costs the step in flight: a rank that survives it writes the state of its last step to " \
+           "the node-local level before the launch ends (hpctrain launch asks it once srun reports the failure)" in out
+    # rank 1 died as step 17 began: rank 0 had finished step 16 (a checkpoint file every 5 steps: 15)
+    assert re.search(r"hpctrain launch: rank 0, a survivor, wrote the state of step 16 to the node-local level", out), out
+    assert "resuming from step 16 (a survivor's state), 0 step(s) lost" in out, out
+    assert "recovered step 16 from the node-local checkpoints" in out and "at step 16" in out, out
     assert f"done at step {STEPS}" in out and "hpctrain launch: done after 1 restart(s)" in out, out
     assert "(start 2)" not in out and "requeued" not in out
 
@@ -69,6 +76,7 @@ def test_killed_rank_is_relaunched_inside_the_allocation(slurm_cluster, tmp_path
     restarts = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                 if r.get("kind") == "restart"]
     assert len(restarts) == 1, restarts
+    assert (restarts[0]["kept_step"], restarts[0]["resume_step"], restarts[0]["steps_lost"]) == (16, 16, 0), restarts
     starts = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
               if r.get("kind") == "start"]
     assert [s["spare"] for s in starts] == [False, True], starts

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .. import settings
 from ..runtime import slurm
 from ..runtime.coordination import read_records
-from . import diagnosis
+from . import diagnosis, survivor
 
 PROGRAM = "hpctrain launch"  # the name its messages begin with
 TAIL_BYTES = 64 * 1024  # of the launcher's output, kept to read which rank it says failed
@@ -81,17 +81,26 @@ class Srun:
         return cmd + self.extra + list(rank_cmd)
 
 
-def kill_processes_with(*variables):
-    """SIGKILL to every process of this host (but this one) whose environment holds all ``variables``
-    (``NAME=value`` each). Linux."""
-    wanted = {v.encode() for v in variables}
+def processes_with(*variables):
+    """``{pid: environment}`` of every process of this host (but this one) whose environment holds all
+    ``variables`` (``NAME=value`` each). Linux."""
+    wanted, found = {v.encode() for v in variables}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         with contextlib.suppress(OSError):  # gone, or not ours to read
             with open(f"/proc/{name}/environ", "rb") as f:
-                if wanted <= set(f.read().split(b"\0")):
-                    os.kill(int(name), signal.SIGKILL)
+                entries = set(f.read().split(b"\0"))
+            if wanted <= entries:
+                found[int(name)] = dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+    return found
+
+
+def kill_processes_with(*variables):
+    """SIGKILL to every process of this host (but this one) whose environment holds all ``variables``."""
+    for pid in processes_with(*variables):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class StepEnder:
@@ -100,13 +109,16 @@ class StepEnder:
     to hpctrain's ranks, which they never reach) and SIGKILL only after its KillWait (30 s by default), and
     will not signal a step it is ending any sooner. Those on this node are SIGKILLed at once instead, as
     mpirun ends its ranks (odls_base_sigkill_timeout 0). A task that exited with a status (a stop's save, an
-    error) or of SIGTERM (a job's end, which the others may be saving for) leaves its step to Slurm."""
+    error) or of SIGTERM (a job's end, which the others may be saving for) leaves its step to Slurm. Before the
+    kill, one task that survives is asked for the state of its last step (:func:`.survivor.ask_step`): what it
+    answered is :attr:`survivors`."""
 
     CRASHES = {6, 7, 9, 11}  # SIGABRT, SIGBUS, SIGKILL, SIGSEGV, as srun names them
     STEP = re.compile(r"Terminating (?:StepId=|job step )(\d+)\.(\d+)\s")
 
     def __init__(self, active=True):
         self.text, self.step, self.active = "", None, active  # inactive: a spare set's step, until it is called
+        self.survivors = ([], None)  # what to say of the survivor asked, the step it wrote (or None)
 
     def __call__(self, chunk):
         if self.step is not None or not self.active:
@@ -119,7 +131,12 @@ class StepEnder:
             self.step = f"{step.group(1)}.{step.group(2)}"
             say(f"task {crashed[0]['rank']} of step {self.step} died of signal {crashed[0]['signal']}: the step's "
                 f"other tasks on this node are ended now, not after Slurm's KillWait")
-            kill_processes_with(*slurm.step_task_variables(step.group(1), step.group(2)))
+            tasks = processes_with(*slurm.step_task_variables(step.group(1), step.group(2)))
+            alive = {key[0] for key in map(slurm.task, tasks.values()) if key and key[0] is not None}
+            self.survivors = survivor.ask_step(step.group(1), step.group(2), alive - {e["rank"] for e in crashed})
+            for pid in tasks:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -131,6 +148,7 @@ class Attempt:
     seconds: float
     ended: float = 0.0  # when the launcher had exited (seconds since the epoch)
     stalled: float = 0.0  # the start-up timeout it was ended by (the ranks never got through start-up), or 0
+    survivors: tuple = ([], None)  # under srun: what to say of the survivor asked, the step it wrote (or None)
 
 
 class _Tee(threading.Thread):
@@ -198,6 +216,11 @@ class Launch:
         for t in self.tees:
             t.pass_on()
 
+    @property
+    def survivors(self):
+        """Under srun, after a task died: what to say of the survivor asked, the step it wrote (or None)."""
+        return self.ender.survivors if self.ender else ([], None)
+
     def finish(self):
         """After the launcher ended: its output read to the end; the tail."""
         for t in self.tees:
@@ -260,4 +283,5 @@ def run_launch(cmd, env, failure_file, metrics_file, started_child=lambda child:
     tail = launch.finish()
     started_child(None)
     return Attempt(returncode, tail, read_records(failure_file, offsets[0]),
-                   read_records(metrics_file, offsets[1]), time.monotonic() - started, ended, stalled)
+                   read_records(metrics_file, offsets[1]), time.monotonic() - started, ended, stalled,
+                   launch.survivors)

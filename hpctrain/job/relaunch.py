@@ -220,7 +220,8 @@ class Supervisor:
         return p.launcher.command(ranks, hosts, rank_cmd, exports)
 
     def _launch_env(self):
-        return {settings.name("FAILURE_FILE"): self.plan.failure_file, **(self.pool.env() if self.pool else {})}
+        asked = {settings.name("SURVIVOR"): "srun"} if isinstance(self.plan.launcher, Srun) else {}  # StepEnder asks
+        return {settings.name("FAILURE_FILE"): self.plan.failure_file, **asked, **(self.pool.env() if self.pool else {})}
 
     def launch(self, ranks, relaunch):
         p = self.plan
@@ -267,7 +268,7 @@ class Supervisor:
             if attempt.returncode == 0:
                 say(f"done after {restarts} restart(s); run directory {p.run_dir}")
                 return 0
-            said, kept = self.pool.settle() if self.pool else ([], None)  # a survivor's state, before a resume
+            said, kept = self.pool.settle() if self.pool else attempt.survivors  # a survivor's state, before a resume
             for line in said:
                 say(line)
             hosts = _job_hosts(attempt.metrics)

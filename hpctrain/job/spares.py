@@ -186,6 +186,10 @@ class SpareSet:
     def finish(self):
         return self.launch.finish()
 
+    @property
+    def survivors(self):
+        return self.launch.survivors
+
     def stop(self):
         child = self.child
         if child.poll() is None:

@@ -1,9 +1,12 @@
 """The survivors' state. When a rank of a data-parallel launch dies, every rank that survives it holds the
 whole state of the last step it finished, and would lose it when the launcher ends them: the relaunch would
-compute again every step since the newest snapshot. A rank forked from the warm pool (:mod:`.warmpool`)
-offers to keep it. The pool, whose children the ranks of its host are, sees one of them end first: it asks one
+compute again every step since the newest snapshot. So a rank offers to keep it, to whoever sees a rank die
+first. Under mpirun, the warm pool (:mod:`.warmpool`), whose children the ranks of its host are: it asks one
 survivor of that launch (the lowest rank that offered), holds its kill back while it writes (at most
-:data:`SAVE_SECONDS`), and tells the supervisor before the relaunch. In the survivor a thread does the
+:data:`SAVE_SECONDS`), and tells the supervisor before the relaunch. Under srun, ``hpctrain launch`` reads
+srun's report of a task that died (:class:`.launchers.StepEnder`): before it ends the step's other tasks on its
+node, it asks the lowest of them on the socket that task listens on (:func:`step_name`), and waits for the
+answer (:func:`ask_step`). In the survivor a thread does the
 writing (the main thread waits in a collective for the dead rank, where no Python runs): it takes the state
 between two steps (``settling``: the trainer holds it while a step's update and its count change the state),
 and writes it alone to the node-local level as a snapshot of one part, checksummed, refused if not finite
@@ -15,11 +18,14 @@ model, and no buffers in the model (BatchNorm's running statistics change in the
 flight, before its update). Elsewhere a failure resumes from the newest snapshot, and the run says why.
 """
 import contextlib
+import os
+import socket
 import threading
 import time
 
 from .. import settings
-from .poolsocket import connect, receive, send
+from ..runtime import slurm
+from .poolsocket import address, connect, peer, receive, send
 
 SAVE_SECONDS = 2.0  # a survivor asked for its state is ended this long after its launch at most
 LOCK_SECONDS = 1.0  # how long the writing thread waits for a step's update to end
@@ -40,17 +46,51 @@ def unsuited(cfg, model, whole):
     return None
 
 
+def step_name(job, step, task):
+    """The socket task ``task`` of srun step ``job.step`` is asked on (in Linux's abstract namespace)."""
+    return f"hpctrain-survivor-{job}.{step}.{task}"
+
+
+def asked_by_srun(environ=None):
+    """Whether this rank is a task of a step ``hpctrain launch`` started with srun, which asks a survivor."""
+    return settings.get("SURVIVOR", environ=environ) == "srun" and slurm.task_key(environ) is not None
+
+
 def offer(level, state, settling, run_config=None):
-    """In a rank forked from the warm pool: a thread waits for the pool to ask for this rank's state. False where
-    no pool took the offer."""
+    """A thread waits for the question of whoever sees another rank die first: in a rank forked from the warm
+    pool, the pool; in a task of an srun step ``hpctrain launch`` started, the supervisor. Who asks (to say
+    it), or None where no one does."""
     name = (settings.get("WARM_POOL") or "").partition(":")[2]
     channel = connect(name, {"offer": True}, OFFER_SECONDS) if name else None
-    if channel is None:
-        return False
-    channel.settimeout(None)
-    threading.Thread(target=_keep, args=(channel, level, state, settling, run_config), name="hpctrain-survivor",
-                     daemon=True).start()
-    return True
+    if channel is not None:
+        channel.settimeout(None)
+        serve, who = (lambda: _keep(channel, level, state, settling, run_config)), "the warm pool asks it"
+    elif asked_by_srun():
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address(step_name(*slurm.task_key())))
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            return None
+        serve = lambda: _answer_questions(listener, level, state, settling, run_config)  # noqa: E731
+        who = "hpctrain launch asks it once srun reports the failure"
+    else:
+        return None
+    threading.Thread(target=serve, name="hpctrain-survivor", daemon=True).start()
+    return who
+
+
+def _answer_questions(listener, level, state, settling, run_config):
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            with contextlib.suppress(OSError):
+                if peer(conn)[1] == os.getuid():  # another user's process may not make it write
+                    _keep(conn, level, state, settling, run_config)
 
 
 def _keep(channel, level, state, settling, run_config):
@@ -76,6 +116,32 @@ def _keep(channel, level, state, settling, run_config):
     answer["seconds"] = time.monotonic() - started
     with contextlib.suppress(OSError):
         send(channel, answer)
+
+
+def describe(rank, answer):
+    """What the supervisor says of survivor ``rank``'s ``answer``."""
+    step = f"the state of step {answer['step']}" if "step" in answer else "its state"
+    return (f"rank {rank}, a survivor, wrote {step} to the node-local level in {answer['seconds']:.2f} s"
+            if answer.get("written") else f"rank {rank}, a survivor, did not keep {step}: {answer['why']}")
+
+
+# ---------------------------------------------------------------- in hpctrain launch, under srun
+def ask_step(job, step, tasks):
+    """srun step ``job.step`` lost a task: ask the lowest of ``tasks`` (this node's that survive it) that listens
+    for its state, and wait for its answer (at most :data:`SAVE_SECONDS`). ``(what to say, the step written or
+    None)``."""
+    for task in sorted(tasks):
+        conn = connect(step_name(job, step, task), {"save": True}, SAVE_SECONDS)
+        if conn is None:  # it did not offer (a run that cannot keep its state), or it is gone
+            continue
+        with conn:
+            try:
+                answer, _ = receive(conn)
+            except (OSError, ValueError):
+                answer = None
+        answer = answer or {"why": f"no answer in {SAVE_SECONDS:g} s"}
+        return [describe(task, answer)], answer["step"] if answer.get("written") else None
+    return [], None
 
 
 # ---------------------------------------------------------------- in the warm pool
@@ -135,10 +201,7 @@ class Saves:
                 a["answer"] = answer
                 if answer.get("written"):
                     self.kept = max(self.kept or 0, answer["step"])
-                step = f"the state of step {answer['step']}" if "step" in answer else "its state"
-                self.said.append(f"rank {a['rank']}, a survivor, wrote {step} to the node-local level in "
-                                 f"{answer['seconds']:.2f} s" if answer.get("written") else
-                                 f"rank {a['rank']}, a survivor, did not keep {step}: {answer['why']}")
+                self.said.append(describe(a["rank"], answer))
         if self.doomed.pop(pid, None) is not None:
             self.kill(pid)
 

@@ -45,6 +45,14 @@ def task(environ=None):
     return None
 
 
+def task_key(environ=None):
+    """``(job id, step id, task id)`` of a task of an ``srun`` step, as Slurm's variables write them, else None."""
+    env = os.environ if environ is None else environ
+    if task(env) is None or "SLURM_JOB_ID" not in env:
+        return None
+    return env["SLURM_JOB_ID"], env["SLURM_STEP_ID"], env["SLURM_PROCID"]
+
+
 def slurmd_node(environ=None):
     """Slurm's name of this node (``SLURMD_NODENAME``), or None outside a job step."""
     return (os.environ if environ is None else environ).get("SLURMD_NODENAME")

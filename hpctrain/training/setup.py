@@ -198,7 +198,7 @@ def _say_first_lines(run):
         run.log(run.checkpoints.io.describe())
     if getattr(run.checkpoints, "local", None) is not None:
         run.log(run.checkpoints.local.describe())
-        if startup.forked():
+        if startup.forked() or survivor.asked_by_srun():
             run.log(_offer_survivors_state(run))
     for note in getattr(run.cfg, "notes", ()):  # what validate() changed, e.g. the accumulation
         run.log(note)
@@ -207,12 +207,13 @@ def _say_first_lines(run):
 
 
 def _offer_survivors_state(run):
-    """A rank forked from the warm pool offers to keep its state should another rank fail (:mod:`..job.survivor`);
-    what the run says of it."""
+    """A rank forked from the warm pool, or a task of an srun step of hpctrain launch, offers to keep its state
+    should another rank fail (:mod:`..job.survivor`); what the run says of it."""
     level, cfg = run.checkpoints.local, run.cfg
     why = survivor.unsuited(cfg, run.state.model, cfg.comm.shard == "none" and not is_split(cfg))
-    if why is None and not level.off and survivor.offer(level, run.state, run.settling, run.checkpoints.run_config):
+    who = None if why or level.off else survivor.offer(level, run.state, run.settling, run.checkpoints.run_config)
+    if who:
         return ("a failed rank costs the step in flight: a rank that survives it writes the state of its last step "
-                "to the node-local level before the launch ends (the warm pool asks it)")
+                f"to the node-local level before the launch ends ({who})")
     return (f"a failed rank costs the steps since the newest snapshot: the ranks that survive it cannot keep their "
-            f"state ({why or level.off or 'the warm pool did not take the offer'})")
+            f"state ({why or level.off or 'no one took the offer'})")
