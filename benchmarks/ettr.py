@@ -11,7 +11,8 @@ ETTR = steps kept / steps the uninterrupted run made in the same wall time; "own
 own steps per second while it trained, from its logged intervals, x its wall time). Each run starts from nothing
 (its first start-up counts, as in the reference) and is stopped after M minutes with SIGUSR1 (hpctrain's stop:
 the ranks save and exit); steps kept are the step of that last checkpoint. Per failure: the restart's cost
-from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown), and the
+from the last step before it to the first after it, part by part (``hpctrain report``'s breakdown: the steps
+trained between the logged steps around it left out; the time between those logged steps beside it), and the
 steps computed again. Configurations: ``defaults`` (what a user gets: a checkpoint per epoch of 1024
 steps, node-local snapshots between them at an interval hpctrain chooses (``checkpoint.local = "auto"``), a warm
 spare set), ``no-local`` (``checkpoint.local = false``: the files alone), ``local`` (``checkpoint.local = true``),
@@ -130,6 +131,7 @@ def one_run(name, config, minutes, every, out, data):
 
 def summary(run, references):
     costs = [c["total"] for c in run["restart_costs"] if c["total"] is not None]
+    logged = [c["logged"] for c in run["restart_costs"] if c.get("logged") is not None]
     parts = {}
     for c in run["restart_costs"]:
         for k, v in c["parts"].items():
@@ -140,7 +142,7 @@ def summary(run, references):
     return {"ettr": round(run["steps"] / statistics.mean(made), 3) if made else None,
             "ettr_each": [round(run["steps"] / m, 3) for m in made],
             "ettr_own": round(run["steps"] / (run["own_rate"] * run["wall_s"]), 3) if run.get("own_rate") else None,
-            "restart_s": spread(costs), "parts_s": {k: spread(v) for k, v in parts.items()},
+            "restart_s": spread(costs), "logged_gap_s": spread(logged), "parts_s": {k: spread(v) for k, v in parts.items()},
             "steps_lost": spread(lost), "steps_lost_total": sum(lost)}
 
 
@@ -182,14 +184,14 @@ def main(argv=None):
               f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while "
               f"training {summary(ref, [ref])['ettr_own']}")
     print("| run | ETTR (mean reference; each) | ETTR, own rate | kills | restarts | restart s, median (min-max) | "
-          "steps lost per restart | load before/after |")
-    print("|---|---|---|---|---|---|---|---|")
+          "between the logged steps around it, s | steps lost per restart | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, run in results.items():
         if name not in runs:
             continue
         s = run["summary"]
         print(f"| {name} | {s['ettr']}; {', '.join(map(str, s['ettr_each']))} | {s['ettr_own']} | "
-              f"{len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
+              f"{len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | {s['logged_gap_s']} | "
               f"{s['steps_lost']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
     print(f"results: {args.out}/ettr.json")

@@ -462,12 +462,35 @@ def test_restart_costs_lay_the_time_from_failure_to_the_next_step_out_in_parts()
                 "startup": {"imports": 2.0, "mpi": 0.5, "resume": 0.25}},
                {"kind": "train", "step": 4, "steps": 1, "loss": 1.0, "timestamp": 15.5}]
     (cost,) = restart_costs(records)
-    assert cost == {"restart": 1, "total": 5.5, "parts": {
+    assert cost == {"restart": 1, "total": 5.5, "logged": 5.5, "parts": {
         "launcher gone": 1.0, "decision": 0.5, "ranks started": 0.25, "imports": 2.0, "mpi": 0.5, "resume": 0.25,
-        "monitor": 0.5, "first logged step": 0.5}}
-    assert ("restart 1 cost 5.50 s from the last step to the first after it: launcher gone 1.00, decision 0.50, "
-            "ranks started 0.25, imports 2.00, mpi 0.50, resume 0.25, monitor 0.50, first logged step 0.50") in \
-        format_summary(summarize(records))
+        "monitor": 0.5, "first step": 0.5}}
+    assert ("restart 1 cost 5.50 s from the last step to the first after it (5.50 s between the logged steps "
+            "around it): launcher gone 1.00, decision 0.50, ranks started 0.25, imports 2.00, mpi 0.50, resume 0.25, "
+            "monitor 0.50, first step 0.50") in format_summary(summarize(records))
+
+
+def test_restart_costs_leave_out_the_steps_trained_between_the_logged_ones():
+    """Steps are logged every 20: a survivor kept step 27 (7 steps after the last logged one, at 0.1 s a step),
+    the relaunch resumed from 27 and logged step 40 (12 steps after the first one after the restart, at 0.05 s):
+    those are training, not the restart's cost, which is the rest."""
+    from hpctrain.monitoring.report import restart_costs
+
+    records = [{"kind": "train", "step": 20, "steps": 20, "step_time": 0.1, "timestamp": 10.0},
+               {"kind": "restart", "restart": 1, "failed_step": 20, "resume_step": 27, "kept_step": 27,
+                "launch_ended": 11.0, "timestamp": 11.25},
+               {"kind": "start", "timestamp": 11.75, "step": 27, "process_started": 11.5, "startup": {"resume": 0.125},
+                "spare": True},
+               {"kind": "train", "step": 40, "steps": 13, "step_time": 0.05, "timestamp": 12.5}]
+    (cost,) = restart_costs(records)
+    assert cost["logged"] == 2.5
+    assert cost["total"] == pytest.approx(2.5 - 7 * 0.1 - 12 * 0.05)  # from step 27's end (10.7 s) to 28's (11.9 s)
+    assert cost["parts"] == pytest.approx({"launcher gone": 0.3, "decision": 0.25, "spares called": 0.25, "resume": 0.125,
+                             "monitor": 0.125, "first step": 0.15})
+    assert sum(cost["parts"].values()) == pytest.approx(cost["total"])
+    # without a survivor the last step before the failure is not known: the last logged one is taken
+    del records[1]["kept_step"]
+    assert restart_costs(records)[0]["total"] == pytest.approx(2.5 - 12 * 0.05)
 
 
 def test_startup_parts_follow_each_other_from_the_process_start(monkeypatch):

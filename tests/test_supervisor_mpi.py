@@ -216,15 +216,17 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
             and f"killed by signal 9 (SIGKILL); {ranks} -> {after} ranks, {lost} step(s) lost" in report.stdout), \
         report.stdout
     # the restart's cost, part by part, from the failed launch's last step to the relaunch's first
-    cost = re.search(r"restart 1 cost ([\d.]+) s from the last step to the first after it: (.*)", report.stdout)
+    cost = re.search(r"restart 1 cost ([\d.]+) s from the last step to the first after it \(([\d.]+) s between the "
+                     r"logged steps around it\): (.*)", report.stdout)
     assert cost, report.stdout
-    parts = {name: float(seconds) for name, seconds in (p.rsplit(" ", 1) for p in cost.group(2).split(", "))}
+    parts = {name: float(seconds) for name, seconds in (p.rsplit(" ", 1) for p in cost.group(3).split(", "))}
     # warm spares start up before they are needed: only what follows their call is part of the cost
     started = ["spares called"] if spares else ["ranks started", "imports", "mpi"]
     assert list(parts) == ["launcher gone", "decision", *started, "backend", "run_dir", "data", "model", "resume",
-                           "monitor", "first logged step"], parts
+                           "monitor", "first step"], parts
     assert all(v >= 0 for v in parts.values()) and (spares or parts["imports"] > 0), parts
     assert abs(sum(parts.values()) - float(cost.group(1))) < 0.05, parts  # the parts make up the whole
+    assert float(cost.group(1)) <= float(cost.group(2)), cost.group(0)  # the steps trained around it left out
 
 
 def test_restarts_exhausted_stop_with_the_count_and_the_cause(tmp_path, digits, wrapper):

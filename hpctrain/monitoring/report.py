@@ -70,37 +70,53 @@ def restart_events(records):
 
 
 def restart_costs(records):
-    """Per ``restart`` record of ``hpctrain launch``, the time from the failed launch's last logged step to the
-    relaunch's first, part by part (pure): ``{"restart", "total", "parts": {part: seconds}}``. The parts: until
-    the launcher was gone (the failure noticed, every rank ended), the supervisor's decision, until the new
-    ranks ran, rank 0's start-up parts (its ``start`` record: imports, MPI, backend, run directory, data, model,
-    resume), the monitor's set-up, and until the first logged step (``monitor.log_every`` steps). Times from
-    several hosts mix their clocks."""
+    """Per ``restart`` record of ``hpctrain launch``, the time from the last step before the failure to the first
+    step after it, part by part (pure): ``{"restart", "total", "logged", "parts": {part: seconds}}``. The steps
+    are known from the logged ones (every ``monitor.log_every``): the steps trained between the last logged step
+    and the failure (up to the one a survivor kept: ``kept_step``; else none are counted) and those between the
+    resumed step and the first logged after it are training, not the restart's, and are taken out at their
+    logged step time (``logged``: the time between the two logged steps, with them). The parts: until the
+    launcher was gone (the failure noticed, every rank ended), the supervisor's decision, until the new ranks
+    ran, rank 0's start-up parts (its ``start`` record: imports, MPI, backend, run directory, data, model,
+    resume), the monitor's set-up, and the first step. Times from several hosts mix their clocks."""
     costs = []
     stamped = _stamped(records)
-    logged = [r["timestamp"] for r in stamped if r.get("kind") == "train"]
+    logged = [r for r in stamped if r.get("kind") == "train"]
     for restart in (r for r in stamped if r.get("kind") == "restart"):
         at = restart["timestamp"]
-        before = [t for t in logged if t < at]
+        before = [r for r in logged if r["timestamp"] < at]
         start = _start_after(stamped, at)
         if not before or start is None:
             continue
-        first = next((t for t in logged if t > start["timestamp"]), None)
+        first = next((r for r in logged if r["timestamp"] > start["timestamp"]), None)
+        last, kept, resumed = before[-1], restart.get("kept_step"), start.get("step")
+        # the last step before the failure, and the first after the restart, as times
+        ended_step = last["timestamp"] + _steps_of(last, (kept or 0) - last.get("step", 0))
         ended, began = restart.get("launch_ended"), start.get("process_started")
         parts = {}
         if ended:
-            parts["launcher gone"] = ended - before[-1]
+            parts["launcher gone"] = ended - ended_step
             parts["decision"] = at - ended
         if began:  # a warm spare set was started ahead: it only had to be called
             parts["spares called" if start.get("spare") else "ranks started"] = began - at
         parts.update(start.get("startup") or {})
         if began:
             parts["monitor"] = start["timestamp"] - began - sum((start.get("startup") or {}).values())
+        first_step = None
         if first is not None:
-            parts["first logged step"] = first - start["timestamp"]
+            after = first.get("step", 0) - (resumed if isinstance(resumed, int) else first.get("step", 0)) - 1
+            first_step = first["timestamp"] - _steps_of(first, after)
+            parts["first step"] = first_step - start["timestamp"]
         costs.append({"restart": restart.get("restart"), "parts": {k: round(v, 3) for k, v in parts.items()},
-                      "total": None if first is None else round(first - before[-1], 3)})
+                      "total": None if first is None else round(first_step - ended_step, 3),
+                      "logged": None if first is None else round(first["timestamp"] - last["timestamp"], 3)})
     return costs
+
+
+def _steps_of(record, count):
+    """Seconds ``count`` steps took at ``record``'s logged step time (none when it has none, or ``count`` < 0)."""
+    step_time = record.get("step_time")
+    return max(0, count) * step_time if isinstance(step_time, (int, float)) else 0.0
 
 
 def _figure(*, nrows=1, figsize=(8, 4.5)):
@@ -333,7 +349,7 @@ def format_summary(s):
     for cost in s.get("restart_costs") or []:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in cost["parts"].items())
         lines.append(f"restart {cost['restart']} cost {num(cost['total'], '.2f')} s from the last step to the first "
-                     f"after it: {parts}")
+                     f"after it ({num(cost.get('logged'), '.2f')} s between the logged steps around it): {parts}")
     for stop in s.get("launch_stops") or []:
         lines.append(f"not restarted: {stop['description']}: {stop['why']}")
     for t in s.get("takeovers") or []:
