@@ -15,7 +15,8 @@ from hpctrain.errors import ConfigError
 from hpctrain.commands import launch
 from hpctrain.job import diagnosis, relaunch
 from hpctrain.job.launchers import Attempt, Mpirun, Srun, StepEnder
-from hpctrain.job.relaunch import LaunchPlan, Supervisor
+from hpctrain.job.plan import LaunchPlan
+from hpctrain.job.relaunch import Supervisor
 from hpctrain.runtime import coordination
 from hpctrain.runtime import slurm
 

@@ -12,7 +12,8 @@ import sys
 
 from ..errors import HpctrainError
 from ..job.launchers import PROGRAM, say
-from ..job.relaunch import Supervisor, make_plan
+from ..job.plan import make_plan
+from ..job.relaunch import Supervisor
 
 
 def build_parser():
