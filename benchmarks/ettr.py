@@ -44,6 +44,7 @@ from hpctrain.monitoring.report import restart_costs, restart_events  # noqa: E4
 MODEL = ["model.in_features=64", "model.hidden=512", "model.depth=3", "model.num_classes=10",
          "data.generate=teacher", "data.val=none", "train.max_steps=1000000000", "train.epochs=100000",
          "monitor.progress=log", "monitor.log_every=20"]
+AFTER = 10.0  # seconds after a restart's first logged step in which its training is compared with the run's
 # name: (options of hpctrain launch, overrides)
 CONFIGS = {"defaults": ([], []), "no-local": ([], ["checkpoint.local=false"]),
            "local": ([], ["checkpoint.local=true"]), "cold": (["--spares", "0"], []),
@@ -121,12 +122,15 @@ def one_run(name, config, minutes, every, out, data):
         records = [json.loads(line) for line in open(path) if line.strip()]
     restarts = restart_events(records)  # steps lost counted from the step each relaunch resumed
     train = [r for r in records if r.get("kind") == "train" and r.get("steps") and r.get("step_time")]
-    # the run's own rate while it trained (its logged intervals: start-ups and failures left out)
-    own_rate = sum(r["steps"] for r in train) / sum(r["steps"] * r["step_time"] for r in train) if train else None
+    # the run's own rate while it trained (its logged intervals: start-ups and failures left out), and the same
+    # away from restarts (the AFTER seconds after each: a slower start there is a failure's cost)
+    own_rate = _rate(train)
+    steady = [r for r in train if not any(0 <= r["timestamp"] - t <= AFTER for t in _restarted_at(records, train))]
     return {"name": name, "config": config, "every_s": every, "minutes": minutes, "exit": code,
             "wall_s": round(wall, 1), "steps": final_step(run_dir), "kills_at_s": kills,
-            "own_rate": own_rate, "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
-            "restart_costs": restart_costs(records), "load_before": load_before, "load_after": os.getloadavg()}
+            "own_rate": own_rate, "steady_rate": _rate(steady), "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
+            "restart_costs": restart_costs(records), "after_restart": _after_restart(records),
+            "load_before": load_before, "load_after": os.getloadavg()}
 
 
 def summary(run, references):
@@ -139,11 +143,50 @@ def summary(run, references):
     spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
     lost = [s for s in run["steps_lost"] if isinstance(s, (int, float))]
     made = [r["steps"] for r in references if r["steps"]]
+    own, steady = _own(run), _own(run, "steady_rate")
+    # what an uninterrupted run keeps of its own rate (its start-up and final save), from the references
+    kept = [_own(r) for r in references if _own(r)]
     return {"ettr": round(run["steps"] / statistics.mean(made), 3) if made else None,
             "ettr_each": [round(run["steps"] / m, 3) for m in made],
-            "ettr_own": round(run["steps"] / (run["own_rate"] * run["wall_s"]), 3) if run.get("own_rate") else None,
+            "ettr_own": round(own, 3) if own else None,
+            "ettr_same_rate": round(steady / statistics.mean(kept), 3) if steady and kept else None,
+            "after_restart_lost_s": run.get("after_restart", "-"),
             "restart_s": spread(costs), "logged_gap_s": spread(logged), "parts_s": {k: spread(v) for k, v in parts.items()},
             "steps_lost": spread(lost), "steps_lost_total": sum(lost)}
+
+
+def _rate(train):
+    """Steps per second over logged intervals ``train``, or None."""
+    return sum(r["steps"] for r in train) / sum(r["steps"] * r["step_time"] for r in train) if train else None
+
+
+def _own(run, rate="own_rate"):
+    """Steps kept / (the run's own steps per second while it trained (``rate``) x its wall time)."""
+    return run["steps"] / (run[rate] * run["wall_s"]) if run.get(rate) else None
+
+
+def _restarted_at(records, train):
+    """When each relaunch logged its first step."""
+    starts = [r["timestamp"] for r in records if r.get("kind") == "start" and r.get("step")]
+    return [next(r["timestamp"] for r in train if r["timestamp"] > t) for t in starts
+            if any(r["timestamp"] > t for r in train)]
+
+
+def _after_restart(records):
+    """Seconds of training lost in the :data:`AFTER` seconds after each restart's first logged step, against
+    the run's median rate (its logged intervals): median and range, or "-". A relaunch that trains slower than
+    the run would show here, where the rates of whole runs (which it lowers too) do not."""
+    train = [r for r in records if r.get("kind") == "train" and r.get("step_time") and r.get("steps")]
+    if not train:
+        return "-"
+    median = statistics.median(1 / r["step_time"] for r in train)
+    lost = []
+    for first in _restarted_at(records, train):
+        if train[-1]["timestamp"] < first + AFTER:
+            continue  # too near the end to have the whole window
+        inside = [r for r in train if first < r["timestamp"] <= first + AFTER]
+        lost.append(sum(r["steps"] * r["step_time"] for r in inside) - sum(r["steps"] for r in inside) / median)
+    return f"{statistics.median(lost):.2f} ({min(lost):.2f} to {max(lost):.2f})" if lost else "-"
 
 
 def main(argv=None):
@@ -183,16 +226,17 @@ def main(argv=None):
         print(f"{ref['name']}: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
               f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while "
               f"training {summary(ref, [ref])['ettr_own']}")
-    print("| run | ETTR (mean reference; each) | ETTR, own rate | kills | restarts | restart s, median (min-max) | "
-          "between the logged steps around it, s | steps lost per restart | load before/after |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | ETTR (mean reference; each) | ETTR, own rate | ETTR, own rate / the references' | kills | restarts | "
+          "restart s, median (min-max) | between the logged steps around it, s | steps lost per restart | "
+          "training lost in the 10 s after a restart, s | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in results.items():
         if name not in runs:
             continue
         s = run["summary"]
         print(f"| {name} | {s['ettr']}; {', '.join(map(str, s['ettr_each']))} | {s['ettr_own']} | "
-              f"{len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | {s['logged_gap_s']} | "
-              f"{s['steps_lost']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
+              f"{s['ettr_same_rate']} | {len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
+              f"{s['logged_gap_s']} | {s['steps_lost']} | {s['after_restart_lost_s']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
     print(f"results: {args.out}/ettr.json")
 
