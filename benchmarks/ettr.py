@@ -124,12 +124,12 @@ def one_run(name, config, minutes, every, out, data):
     train = [r for r in records if r.get("kind") == "train" and r.get("steps") and r.get("step_time")]
     # the run's own rate while it trained (its logged intervals: start-ups and failures left out), and the same
     # away from restarts (the AFTER seconds after each: a slower start there is a failure's cost)
-    own_rate = _rate(train)
-    steady = [r for r in train if not any(0 <= r["timestamp"] - t <= AFTER for t in _restarted_at(records, train))]
+    own_rate, restarted = _rate(train), _restarted_at(records, train)
+    steady = [r for r in train if not any(0 <= r["timestamp"] - t <= AFTER for t in restarted)]
     return {"name": name, "config": config, "every_s": every, "minutes": minutes, "exit": code,
             "wall_s": round(wall, 1), "steps": final_step(run_dir), "kills_at_s": kills,
             "own_rate": own_rate, "steady_rate": _rate(steady), "restarts": len(restarts), "steps_lost": [r.get("steps_lost") for r in restarts],
-            "restart_costs": restart_costs(records), "after_restart": _after_restart(records),
+            "restart_costs": restart_costs(records), "after_restart": _after_restart(train, restarted),
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
@@ -172,16 +172,15 @@ def _restarted_at(records, train):
             if any(r["timestamp"] > t for r in train)]
 
 
-def _after_restart(records):
-    """Seconds of training lost in the :data:`AFTER` seconds after each restart's first logged step, against
-    the run's median rate (its logged intervals): median and range, or "-". A relaunch that trains slower than
-    the run would show here, where the rates of whole runs (which it lowers too) do not."""
-    train = [r for r in records if r.get("kind") == "train" and r.get("step_time") and r.get("steps")]
+def _after_restart(train, restarted):
+    """Seconds of training lost in the :data:`AFTER` seconds after each restart's first logged step (``restarted``),
+    against the run's median rate over its logged intervals ``train``: median and range, or "-". A relaunch that
+    trains slower than the run would show here, where the rates of whole runs (which it lowers too) do not."""
     if not train:
         return "-"
     median = statistics.median(1 / r["step_time"] for r in train)
     lost = []
-    for first in _restarted_at(records, train):
+    for first in restarted:
         if train[-1]["timestamp"] < first + AFTER:
             continue  # too near the end to have the whole window
         inside = [r for r in train if first < r["timestamp"] <= first + AFTER]
