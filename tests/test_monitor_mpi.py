@@ -1,20 +1,14 @@
 """The Monitor under a real mpirun: a rank slowed on purpose is named with its phase, one
 rank's perturbed parameters are caught, and a healthy run reports nothing."""
-import json
 
 import pytest
 
 from mpi_harness import mpirun
+from run_records import records
 
 pytestmark = pytest.mark.mpi
 
 LOOP = "tests/mpi/monitor_loop.py"
-
-
-def records(run_dir, kind=None):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    found = [json.loads(line) for line in lines]
-    return [r for r in found if kind is None or r["kind"] == kind]
 
 
 def test_slow_rank_and_diverged_parameters_are_reported(tmp_path):

@@ -29,6 +29,7 @@ import pytest
 
 from checkpoint_files import latest, tensors
 from mpi_harness import PYTHON, ROOT
+from run_records import records
 from test_slurm_jobs import ckpt_verify, output_of, wait_for_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.slow]
@@ -48,12 +49,6 @@ if [ "$1 $2 $3" = "-m hpctrain train" ]; then
 fi
 exec {PYTHON} "$@"
 """
-
-
-def records(run_dir, kind):
-    """The run's metrics records of ``kind`` (None: all), in the order written."""
-    path = run_dir / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if kind is None or r.get("kind") == kind]
 
 
 def train_args(run_dir, digits, *extra):

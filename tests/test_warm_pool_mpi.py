@@ -4,7 +4,6 @@ signal sent to it reaches the rank, which saves and ends with its exit status; k
 it; the rank killed, it ends of the same signal. A rank whose import-time settings differ from the pool's, or
 that is offered a pool that is not there, starts cold (saying why where the pool refused it). MPI starts in
 each rank as a singleton here; under mpirun: test_supervisor_mpi.py."""
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from mpi_harness import PYTHON, ROOT, mpi_env
+from run_records import records
 
 pytestmark = [pytest.mark.mpi]
 
@@ -50,13 +50,6 @@ def finish(proc):
         out, _ = proc.communicate()
         raise AssertionError(f"did not end in {TIMEOUT} s:\n{out[-4000:]}")
     return proc.returncode, out
-
-
-def records(run_dir, kind):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
 
 
 def wait_training(proc, run_dir, steps=3):
