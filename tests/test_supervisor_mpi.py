@@ -219,7 +219,7 @@ def test_killed_rank_is_relaunched_and_training_is_the_same(tmp_path, digits, wr
     # warm spares start up before they are needed: only what follows their call is part of the cost
     started = ["spares called"] if spares else ["ranks started", "imports", "mpi"]
     assert list(parts) == ["launcher gone", "decision", *started, "backend", "run_dir", "data", "model", "resume",
-                           "monitor", "first step"], parts
+                           "backend start", "monitor", "first step"], parts
     assert all(v >= 0 for v in parts.values()) and (spares or parts["imports"] > 0), parts
     assert abs(sum(parts.values()) - float(cost.group(1))) < 0.05, parts  # the parts make up the whole
     assert float(cost.group(1)) <= float(cost.group(2)), cost.group(0)  # the steps trained around it left out

@@ -12,15 +12,19 @@ from .base import Backend
 __all__ = ["Backend", "backend_class", "get_backend"]
 
 
-def get_backend(name, world, compression="none", gradient_predivide_factor=1.0):
-    """Create and initialise the backend called ``name`` for ``world``. Raises
+def get_backend(name, world, compression="none", gradient_predivide_factor=1.0, start=True):
+    """Create and initialise the backend called ``name`` for ``world`` (``start=False``: its
+    :meth:`~hpctrain.backends.base.Backend.start` is left to the caller, collective on every rank). Raises
     :class:`~hpctrain.errors.BackendUnavailable` when it is not installed, and
     :class:`~hpctrain.errors.ConfigError` for an unknown name."""
     from ..runtime.coordination import all_or_none
 
     # Agree first that every rank can load it: one without Horovod must not leave the others in hvd.init().
     cls = all_or_none(lambda: backend_class(name), world.comm)
-    return cls(world, compression=compression, gradient_predivide_factor=gradient_predivide_factor)
+    backend = cls(world, compression=compression, gradient_predivide_factor=gradient_predivide_factor)
+    if start:
+        backend.start()
+    return backend
 
 
 def backend_class(name):

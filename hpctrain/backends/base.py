@@ -21,6 +21,10 @@ class Backend:
         self.world, self.compression = world, compression
         self.gradient_predivide_factor = float(gradient_predivide_factor)
 
+    def start(self):
+        """Start what the backend runs beside the training (collective: every rank calls it, at the same
+        point); :func:`~hpctrain.backends.get_backend` does, unless told to leave it for later. Nothing here."""
+
     @property
     def rank(self):
         return self.world.rank

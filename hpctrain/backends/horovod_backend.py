@@ -120,7 +120,16 @@ class HorovodBackend(Backend):
 
     def __init__(self, world, compression="none", gradient_predivide_factor=1.0):
         super().__init__(world, compression, gradient_predivide_factor)
-        hvd = self.hvd = import_horovod()
+        self._hvd, self._started = import_horovod(), False
+        self._compressor = _compressor(self._hvd, compression)
+
+    def start(self):
+        """``hvd.init`` on MPI's world (once per process), checked. From here Horovod's background thread keeps
+        MPI busy every cycle, which slows other MPI work of the process (MPI-IO: docs/performance.md)."""
+        hvd, world = self._hvd, self.world
+        if self._started:
+            return
+        self._started = True
         if not hvd.is_initialized():
             # mpi4py has already initialised MPI (THREAD_MULTIPLE); Horovod joins that world.
             _init(hvd, world.comm)
@@ -128,8 +137,13 @@ class HorovodBackend(Backend):
             raise BackendUnavailable(
                 f"Horovod sees rank {hvd.rank()} of {hvd.size()} but MPI says rank {world.rank} "
                 f"of {world.size}", hint="rebuild Horovod against the MPI that mpi4py uses (`make setup`)")
-        self._compressor = _compressor(hvd, compression)
         refuse_shared_gpus(hvd, world)
+
+    @property
+    def hvd(self):
+        """``horovod.torch``, started: a collective used before :meth:`start` starts it (every rank reaches it)."""
+        self.start()
+        return self._hvd
 
     process_set = None  # gradients average over the whole world (a process set: a group)
 
@@ -250,7 +264,8 @@ class HorovodProcessSetBackend(HorovodBackend):
 
     def __init__(self, world, groups, compression="none", gradient_predivide_factor=1.0):
         Backend.__init__(self, world, compression, gradient_predivide_factor)
-        hvd = self.hvd = import_horovod()
+        hvd, self._started = import_horovod(), True  # the sets are registered as Horovod starts: now
+        self._hvd = hvd
         groups = [sorted(int(r) for r in g) for g in groups]
         if not hvd.is_initialized():
             sets = [hvd.ProcessSet(g) for g in groups]

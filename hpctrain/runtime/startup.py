@@ -1,5 +1,6 @@
 """This process's start-up, part by part: when it started, and when it finished each part before its first step
-(the Python interpreter and imports, MPI, the backend, the run directory, the data, the model, the resume). A
+(the Python interpreter and imports, MPI, the backend, the run directory, the data, the model, the resume, the
+backend's start where it waits for the resume). A
 relaunch after a failure pays all of it; rank 0 writes the parts into the run's ``start`` record, and
 ``hpctrain report`` lays each restart's cost out from them.
 

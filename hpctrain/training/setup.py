@@ -2,8 +2,9 @@
 the order every rank follows (each collective one is entered by every rank, or fails on all).
 
     (a warm spare's call) -> validate -> watchdog -> steps (backend, process grid) -> run directory and its
-    lock -> data and sampler -> model -> optimizer and state -> checkpoints -> resume and broadcast -> monitor
-    -> the run's first lines
+    lock -> data and sampler -> model -> optimizer and state -> checkpoints -> resume -> the backend started
+    (data-parallel steps start it here, not with the steps), the optimizer wrapped, rank 0's state broadcast
+    -> monitor -> the run's first lines
 """
 import dataclasses
 import os
@@ -77,9 +78,12 @@ def set_up(trainer, local):
     with watching("resume from a checkpoint"):
         if checkpoints is not None and checkpoints.resume(state):
             sampler.seed = state.progress.seed  # the data order of the run being resumed
+    startup.mark("resume")  # the checkpoint found and read (or none)
+    with watching("starting the backend"):
+        steps.start(state)  # Horovod's thread not beside the MPI-IO above (DataParallelSteps.starts_after_resume)
         steps.broadcast(state)
         state.comm_mode.start(state)
-    startup.mark("resume")  # the checkpoint found, read and shared (or none)
+    startup.mark("backend start")  # started, and the state shared
     p = state.progress
     budget = step_budget(t, sampler.steps_per_epoch, p.step, p.epoch,
                          max(0, sampler.num_samples - p.samples_in_epoch) // sampler.global_batch)

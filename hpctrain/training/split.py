@@ -44,6 +44,7 @@ class SplitSteps(DataParallelSteps):
 
     holds = "rank 0 stage"
     data_ranks_are = "replicas"
+    starts_after_resume = False  # its replicas' process sets are registered as Horovod starts
 
     def __init__(self, cfg, world):
         p, c = cfg.parallel, cfg.comm

@@ -16,6 +16,7 @@ A step, as the trainer drives it::
         steps.clip(state, max_norm); steps.apply(state)
 """
 import contextlib
+import functools
 
 import numpy as np
 
@@ -51,11 +52,17 @@ class DataParallelSteps:
     holds = "model"  # what a rank's parameters are, in the run's first line
     data_ranks_are = "ranks"
     _first_seen = False  # the first micro-batch is read and computed under a check on every rank
+    # Horovod's background thread keeps MPI busy from its start, and the set-up's MPI-IO beside it ran 3-5x
+    # slower (docs/performance.md): the backend starts after the resume (start), the optimizer wrapped then.
+    # Sharded and split steps build their optimizers on a started backend.
+    starts_after_resume = True
+    _wrap = None  # the comm mode's wrapping, left for start()
 
     def __init__(self, cfg, world):
         c = cfg.comm
         self.cfg, self.world = cfg, world
-        self.backend = get_backend(c.backend, world, c.compression, c.gradient_predivide_factor)
+        self.backend = get_backend(c.backend, world, c.compression, c.gradient_predivide_factor,
+                                   start=not self.starts_after_resume)
 
     @property
     def data_rank(self):
@@ -74,10 +81,26 @@ class DataParallelSteps:
         return model
 
     def wrap_optimizer(self, make, model, mode):
-        """The optimizer to step: ``make()``'s (a user's function failing on any rank fails on all), as
-        ``comm.mode`` has it wrapped."""
+        """The optimizer to resume into: ``make()``'s (a user's function failing on any rank fails on all), as
+        ``comm.mode`` wraps it, now or, where the backend starts after the resume, in :meth:`start`."""
         optimizer = all_or_none(make, self.world.comm) if is_import_path(self.cfg.train.optimizer) else make()
-        return mode.wrap_optimizer(optimizer, model, self.cfg.train.accumulation)
+        wrap = functools.partial(mode.wrap_optimizer, model=model, accumulation=self.cfg.train.accumulation)
+        if self.starts_after_resume:
+            self._wrap = wrap
+            return optimizer
+        return wrap(optimizer)
+
+    def start(self, state):
+        """After the resume, before the broadcast (collective): the backend started and ``state``'s optimizer
+        wrapped as ``comm.mode`` has it, holding the state resumed into it."""
+        if self._wrap is None:
+            return
+        self.backend.start()
+        plain, wrap, self._wrap = state.optimizer, self._wrap, None
+        wrapped = wrap(plain)
+        if wrapped is not plain:  # Horovod's wrapper is a new optimizer on the same parameters, with no state
+            wrapped.load_state_dict(plain.state_dict())
+        state.optimizer = wrapped
 
     def broadcast(self, state):
         """Rank 0's weights and optimizer state win (after a resume, or a fresh start)."""
@@ -174,6 +197,8 @@ class DataParallelSteps:
 
 class ShardedSteps(DataParallelSteps):
     """Each rank updates its slice (:class:`~.sharding.ShardedOptimizer`); ``comm.mode`` is ``sync``."""
+
+    starts_after_resume = False
 
     def wrap_optimizer(self, make, model, mode):
         from .sharding import ShardedOptimizer

@@ -3,7 +3,8 @@
     mpirun -n 2 python tests/mpi/train_tiny.py OUT_DIR [--stop-at STEP] [--checkpoints] [section.key=value ...]
 
 Writes OUT_DIR/rank<R>.npz (parameters, this rank's per-step losses) and, on rank 0,
-OUT_DIR/result.json (FitResult). The data and the model are the same on every launch, so
+OUT_DIR/result.json (FitResult, and ``horovod_at_resume``: whether Horovod ran while the checkpoint
+manager resumed, None where it was not asked to). The data and the model are the same on every launch, so
 runs with different rank counts, backends or compression can be compared.
 """
 import dataclasses
@@ -26,6 +27,22 @@ class Record:
         self.phases.append(phase_times)
 
 
+def watch_resume():
+    """``{"horovod": ...}``, filled when the checkpoint manager resumes: whether Horovod runs then (observed only)."""
+    from hpctrain.checkpoint import CheckpointManager
+
+    seen, resume = {"horovod": None}, CheckpointManager.resume
+
+    def watched(self, state):
+        import horovod.torch as hvd
+
+        seen["horovod"] = bool(hvd.is_initialized())
+        return resume(self, state)
+
+    CheckpointManager.resume = watched
+    return seen
+
+
 def main(argv):
     out, argv = argv[0], argv[1:]
     stop_at, checkpoints = None, None
@@ -39,7 +56,7 @@ def main(argv):
     cfg = load_config(None, ["model.in_features=8", "model.hidden=16", "model.depth=2", "model.num_classes=4",
                              "train.batch_size=8", "train.lr=0.3", "train.momentum=0.9", "train.epochs=1",
                              "train.max_steps=12", "monitor.log_every=4", f"run.root={out}/runs", *argv])
-    record = Record()
+    record, seen = Record(), watch_resume()
     trainer = Trainer(cfg, train_data=synthetic(512, 1), val_data=synthetic(128, 2), checkpoints=checkpoints,
                       callbacks=[record])
     if stop_at is not None:
@@ -54,7 +71,7 @@ def main(argv):
              steps=np.array(trainer.state.progress.step), **params)
     if rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump(dataclasses.asdict(result), f)
+            json.dump(dataclasses.asdict(result) | {"horovod_at_resume": seen["horovod"]}, f)
     return 3 if result.stopped else 0
 
 
