@@ -79,7 +79,7 @@ def set_up(trainer, local):
         if checkpoints is not None and checkpoints.resume(state):
             sampler.seed = state.progress.seed  # the data order of the run being resumed
     startup.mark("resume")  # the checkpoint found and read (or none)
-    with watching("starting the backend"):
+    with watching("starting the backend and sharing rank 0's state"):
         steps.start(state)  # Horovod's thread not beside the MPI-IO above (DataParallelSteps.starts_after_resume)
         steps.broadcast(state)
         state.comm_mode.start(state)
