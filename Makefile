@@ -6,7 +6,7 @@
 #   make coverage     the whole suite with line coverage of every process, ranks included
 #   make setup   build the stack into .venv (idempotent; both targets above call it)
 #   make bench   benchmarks (communication, training step, checkpoint I/O)
-#   make bench-ettr   training under random rank kills: ETTR against uninterrupted runs before and after (~27 minutes)
+#   make bench-ettr   training under random rank kills: ETTR against uninterrupted runs before, between and after (~40 minutes)
 #   make install PREFIX=/opt/hpctrain/<version> [MODULEFILES=DIR]
 #                one installation for every user of a cluster, with a modulefile
 #                (scripts/install.sh; MODULEFILES defaults to $(PREFIX)/modulefiles)

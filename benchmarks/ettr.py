@@ -1,11 +1,13 @@
 """Effective training time ratio (ETTR) under failures: ``hpctrain launch -n 2`` trains for M minutes while a
 random rank is SIGKILLed every T seconds (each wait drawn uniformly from [T/2, 3T/2]); uninterrupted runs
-of the same length, in the same command, one before the runs with failures and one after them, are the
-reference (their mean: the throughput of this machine drifts from one run to the next by more than a few
-failures cost, and a drift over the command cancels in the mean; ETTR against each is reported too).
+of the same length, in the same command, are the reference: by default one before the first run with failures,
+one between every two and one after the last, and each run is measured against the mean of the two beside it
+(the throughput of this machine drifts from one run to the next by more than a few failures cost, 18% between
+two references 40 minutes apart; a drift over a run cancels in the mean of its neighbours). ETTR against every
+reference's mean and against each neighbour is reported too.
 
-    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local] [--references 2]
-                              [--out DIR]
+    python benchmarks/ettr.py [--minutes 4] [--every 60,120] [--configs defaults,no-local]
+                              [--references between|2|1] [--out DIR]
 
 ETTR = steps kept / steps the uninterrupted run made in the same wall time; "own rate": steps kept / (the run's
 own steps per second while it trained, from its logged intervals, x its wall time). Each run starts from nothing
@@ -133,7 +135,8 @@ def one_run(name, config, minutes, every, out, data):
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
-def summary(run, references):
+def summary(run, references, neighbours):
+    """The figures of ``run`` against ``neighbours`` (the references run beside it) and all ``references``."""
     costs = [c["total"] for c in run["restart_costs"] if c["total"] is not None]
     logged = [c["logged"] for c in run["restart_costs"] if c.get("logged") is not None]
     parts = {}
@@ -142,12 +145,14 @@ def summary(run, references):
             parts.setdefault(k, []).append(v)
     spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "-"  # noqa: E731
     lost = [s for s in run["steps_lost"] if isinstance(s, (int, float))]
-    made = [r["steps"] for r in references if r["steps"]]
+    made = [r["steps"] for r in neighbours if r["steps"]]
+    made_all = [r["steps"] for r in references if r["steps"]]
     own, steady = _own(run), _own(run, "steady_rate")
-    # what an uninterrupted run keeps of its own rate (its start-up and final save), from the references
-    kept = [_own(r) for r in references if _own(r)]
+    # what an uninterrupted run keeps of its own rate (its start-up and final save), from the references beside it
+    kept = [_own(r) for r in neighbours if _own(r)]
     return {"ettr": round(run["steps"] / statistics.mean(made), 3) if made else None,
             "ettr_each": [round(run["steps"] / m, 3) for m in made],
+            "ettr_all_references": round(run["steps"] / statistics.mean(made_all), 3) if made_all else None,
             "ettr_own": round(own, 3) if own else None,
             "ettr_same_rate": round(steady / statistics.mean(kept), 3) if steady and kept else None,
             "after_restart_lost_s": run.get("after_restart", "-"),
@@ -193,8 +198,9 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--every", default="60,120", help="seconds between kills (mean), comma-separated")
     ap.add_argument("--configs", default="defaults,no-local")
-    ap.add_argument("--references", type=int, choices=(1, 2), default=2,
-                    help="uninterrupted runs: 1 before the others, 2 before and after them (default)")
+    ap.add_argument("--references", choices=("between", "2", "1"), default="between",
+                    help="uninterrupted runs: before, between and after the others (default); 2: before and after "
+                         "them; 1: before them")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-results", time.strftime("ettr-%Y%m%d-%H%M%S")))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -203,37 +209,43 @@ def main(argv=None):
                     "from hpctrain.data import generate; c = load_config(sys.argv[1], sys.argv[2:]); "
                     "generate(c.data, c.model, seed=c.run.seed)", os.path.join(ROOT, "examples", "digits.toml"),
                     f"data.path={data}", *MODEL], check=True, cwd=ROOT, env=mpi_env())
-    results = {"reference": one_run("reference", "defaults", args.minutes, 0, args.out, data)}
-    print(json.dumps(results["reference"]), flush=True)
-    runs = []
-    for every in [float(e) for e in args.every.split(",")]:
-        for config in args.configs.split(","):
-            name = f"{config}-every{int(every)}s"
-            results[name] = one_run(name, config, args.minutes, every, args.out, data)
-            runs.append(name)
-            print(json.dumps(results[name]), flush=True)
-    if args.references == 2:
-        results["reference-after"] = one_run("reference-after", "defaults", args.minutes, 0, args.out, data)
-        print(json.dumps(results["reference-after"]), flush=True)
-    references = [results[k] for k in ("reference", "reference-after") if k in results]
-    for name in runs:
-        results[name]["summary"] = summary(results[name], references)
+    runs = [(f"{config}-every{int(every)}s", config, every)
+            for every in [float(e) for e in args.every.split(",")] for config in args.configs.split(",")]
+    order = ["reference-1"]  # the runs in the order they are made; each run's neighbours are the references beside it
+    for i, (name, _, _) in enumerate(runs):
+        order.append(name)
+        if args.references == "between" or (args.references == "2" and i == len(runs) - 1):
+            order.append(f"reference-{len([o for o in order if o.startswith('reference')]) + 1}")
+    settings = {name: (config, every) for name, config, every in runs}
+    results = {}
+    for name in order:
+        config, every = settings.get(name, ("defaults", 0))
+        results[name] = one_run(name, config, args.minutes, every, args.out, data)
+        print(json.dumps(results[name]), flush=True)
+    references = [results[k] for k in order if k.startswith("reference")]
+    for i, name in enumerate(order):
+        if name in settings:
+            beside = ([results[k] for k in order[i - 1:i + 2] if k.startswith("reference")]
+                      if args.references == "between" else references)
+            results[name]["summary"] = summary(results[name], references, beside)
     with open(os.path.join(args.out, "ettr.json"), "w") as f:
         json.dump(results, f, indent=1)
     print()
     for ref in references:
         print(f"{ref['name']}: {ref['steps']} steps in {ref['wall_s']} s uninterrupted "
               f"(load {ref['load_before'][0]:.2f} -> {ref['load_after'][0]:.2f}); against its own rate while "
-              f"training {summary(ref, [ref])['ettr_own']}")
-    print("| run | ETTR (mean reference; each) | ETTR, own rate | ETTR, own rate / the references' | kills | restarts | "
+              f"training {summary(ref, [ref], [ref])['ettr_own']}")
+    print("| run | ETTR (the references beside it: mean; each) | ETTR, every reference's mean | ETTR, own rate | "
+          "ETTR, own rate / the references' | kills | restarts | "
           "restart s, median (min-max) | between the logged steps around it, s | steps lost per restart | "
           "training lost in the 10 s after a restart, s | load before/after |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, run in results.items():
-        if name not in runs:
+        if name not in settings:
             continue
         s = run["summary"]
-        print(f"| {name} | {s['ettr']}; {', '.join(map(str, s['ettr_each']))} | {s['ettr_own']} | "
+        print(f"| {name} | {s['ettr']}; {', '.join(map(str, s['ettr_each']))} | {s['ettr_all_references']} | "
+              f"{s['ettr_own']} | "
               f"{s['ettr_same_rate']} | {len(run['kills_at_s'])} | {run['restarts']} | {s['restart_s']} | "
               f"{s['logged_gap_s']} | {s['steps_lost']} | {s['after_restart_lost_s']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
