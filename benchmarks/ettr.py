@@ -89,7 +89,7 @@ def final_step(run_dir):
 
 
 def one_run(name, config, minutes, every, out, data):
-    run_dir = os.path.join(out, name)
+    run_dir = os.path.abspath(os.path.join(out, name))  # as the ranks' command lines have it (rank_pids)
     options, overrides = CONFIGS[config]
     cmd = [os.path.join(ROOT, ".venv", "bin", "hpctrain"), "launch", "-n", "2", "--max-restarts", "1000", *options,
            os.path.join(ROOT, "examples", "digits.toml"), f"data.path={data}", f"run.run_dir={run_dir}",
@@ -250,6 +250,9 @@ def main(argv=None):
               f"{s['logged_gap_s']} | {s['steps_lost']} | {s['after_restart_lost_s']} | {run['load_before'][0]:.2f} / {run['load_after'][0]:.2f} |")
         print(f"|   parts | {s['parts_s']} |")
     print(f"results: {args.out}/ettr.json")
+    unkilled = [name for name in settings if settings[name][1] and not results[name]["kills_at_s"]]
+    if unkilled:  # its figures are an uninterrupted run's, not the failures'
+        sys.exit(f"no rank of {', '.join(unkilled)} was found to kill: its figures are not a run with failures")
 
 
 if __name__ == "__main__":
