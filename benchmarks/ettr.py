@@ -89,7 +89,7 @@ def final_step(run_dir):
 
 
 def one_run(name, config, minutes, every, out, data):
-    run_dir = os.path.abspath(os.path.join(out, name))  # as the ranks' command lines have it (rank_pids)
+    run_dir = os.path.join(out, name)
     options, overrides = CONFIGS[config]
     cmd = [os.path.join(ROOT, ".venv", "bin", "hpctrain"), "launch", "-n", "2", "--max-restarts", "1000", *options,
            os.path.join(ROOT, "examples", "digits.toml"), f"data.path={data}", f"run.run_dir={run_dir}",
@@ -203,6 +203,8 @@ def main(argv=None):
                          "them; 1: before them")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-results", time.strftime("ettr-%Y%m%d-%H%M%S")))
     args = ap.parse_args(argv)
+    # absolute: the ranks' command lines have the run directories so (rank_pids), and the runs start in ROOT
+    args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     data = os.path.join(args.out, "teacher.h5")
     subprocess.run([sys.executable, "-c", "import sys; from hpctrain.config import load_config; "
